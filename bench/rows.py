@@ -1,0 +1,604 @@
+"""The benchmark's measurements, one function per family. Each reports through
+`ctx.attempt(family, identity, fn)`: fn returns the measured fields, and an exception
+becomes that line's error while the other lines still run.
+
+  peak       measured dense matmul rate: the ceiling for '% of peak'
+  dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep) and the
+             reference-style loop (bench/reference.py), per model and crop strategy
+  e2e        the same step fed from JPEG files by DataLoader workers: the CPU multi-crop
+             transform vs uint8 squares + GpuMultiCrop, against the synthetic-input step
+  inference  fold_affine + torch.compile against timm's ResMLP, eager
+  knn        weighted k-NN classification per search backend
+  aug        augmentation throughput: CPU transforms per core, GpuMultiCrop per device
+bench/NOTES.md has the method and the predictions.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from resmlp.bench.timing import count_flops, matmul_rate, measure, peak_memory_gb, reset_memory, sync, threads
+
+# One fixed point of the schedules for every timed step (after the frozen-last-layer epoch).
+LR, WD, MOMENTUM, TEACHER_TEMP, EPOCH = 1e-4, 0.04, 0.996, 0.04, 1
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Skip(Exception):
+    """A measurement that cannot run on this machine (a package or the GPU is missing)."""
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def need_lightly() -> None:
+    try:
+        import lightly  # noqa: F401
+    except ImportError:
+        raise Skip("lightly is not installed (the trainer's DINO head and loss come from it); "
+                   "carry its wheels, see bench/NOTES.md") from None
+
+
+def _compile_cleanup(compiled: bool) -> None:
+    if compiled:
+        torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+def dino_config(p, model: str, strategy: str, extra=()):
+    """The trainer's config for `model` at the profile's sizes and `strategy`."""
+    from resmlp.core.config import load_config
+    o = ["demo=false", "data=imagefolder", f"data.img_size={p.img_size}", f"model.patch_size={p.patch_size}",
+         f"dino.local_size={p.local_size}", f"dino.local_crops={strategy}", f"dino.n_local_crops={p.n_local}",
+         f"model.drop_path_rate={p.drop_path_rate}", f"dino.out_dim={p.head.out_dim}",
+         f"dino.hidden_dim={p.head.hidden_dim}", f"dino.bottleneck_dim={p.head.bottleneck_dim}",
+         f"batch_size={p.batch_size}"]
+    if p.dim:
+        o.append(f"model.dim={p.dim}")
+    if p.depth:
+        o.append(f"model.depth={p.depth}")
+    return load_config("dino", model, [*o, *extra])
+
+
+def crops_label(plan: dict) -> str:
+    text = f"2x{plan['global_size']}"
+    return text + (f"+{plan['n_local']}x{plan['local_size']}" if plan["n_local"] else "")
+
+
+def synthetic_crops(plan: dict, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    sizes = [plan["global_size"]] * 2 + [plan["local_size"]] * plan["n_local"]
+    return [torch.randn(batch, 3, s, s, device=device, generator=g) for s in sizes]
+
+
+def autocast_for(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision not in ("bf16", "fp16"):
+        raise ValueError(f"precision {precision!r} is not one of bf16, fp16, fp32")
+    return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def build_our_step(cfg, device: torch.device, precision: str, compile: bool):
+    """resmlp.ssl.step.DinoStep built as ssl/train.py builds it (a world of one)."""
+    need_lightly()
+    from lightly.loss import DINOLoss
+
+    from resmlp.core.optim import param_groups
+    from resmlp.ssl.step import DinoStep
+    from resmlp.ssl.train import build_networks, crop_plan
+    plan = crop_plan(cfg)
+    student, teacher = build_networks(cfg, device)
+    loss_fn = DINOLoss(cfg.dino.out_dim, student_temp=cfg.dino.student_temp,
+                       center_momentum=cfg.dino.center_momentum, warmup_teacher_temp_epochs=0).to(device)
+    optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, weight_decay=0.0)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    step = DinoStep(student, teacher, loss_fn, optimizer, scaler, 2 + plan["n_local"],
+                    float(cfg.optim.clip_grad), autocast_for(device, precision))
+    if compile:
+        step.forward_student, step.forward_teacher = torch.compile(student), torch.compile(teacher)
+    return step
+
+
+def build_reference_step(cfg, device: torch.device, strategy: str):
+    """The reference-style step (bench/reference.py): timm's ResMLP where it takes the
+    crops (resize, none), ours with grid adaptation otherwise."""
+    need_lightly()
+    from resmlp.bench.reference import RefDinoStep, build_reference_networks, model_dims, timm_name
+    from resmlp.ssl.train import crop_plan
+    plan = crop_plan(cfg)
+    backbone = "timm" if strategy in ("resize", "none") else "ours"
+    student, teacher = build_reference_networks(cfg, device, backbone)
+    step = RefDinoStep(student, teacher, int(cfg.dino.out_dim), 2 + plan["n_local"], device,
+                       fp16=device.type == "cuda", clip_grad=float(cfg.optim.clip_grad),
+                       freeze_last_layer=int(cfg.dino.freeze_last_layer), student_temp=float(cfg.dino.student_temp),
+                       center_momentum=float(cfg.dino.center_momentum))
+    name = timm_name(model_dims(cfg.model, cfg.data.img_size)) if backbone == "timm" else \
+        f"ours ({cfg.dino.local_crops}; timm's takes no 96 px crop)"
+    return step, name
+
+
+def call_step(step, crops):
+    out = step(crops, LR, WD, MOMENTUM, TEACHER_TEMP, EPOCH)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def time_step(step, crops, device, p):
+    last = {}
+
+    def one():
+        last["loss"] = call_step(step, crops)
+    t = measure(one, device, int(p.warmup), int(p.steps), int(p.repeats))
+    if not torch.isfinite(last["loss"]).all():
+        raise RuntimeError("non-finite loss: the timed steps skipped their updates")
+    return t, float(last["loss"])
+
+
+def step_fields(t, batch: int, n_crops: int, flops: int | None, peak: float | None, device) -> dict:
+    img_s = batch / t.seconds
+    out = {"images_per_s": img_s, "crops_per_s": img_s * n_crops, "step_ms": 1e3 * t.seconds,
+           "first_s": t.first_s, "warmup_s": t.warmup_s, "spread": t.spread, "mem_gb": peak_memory_gb(device)}
+    if flops:
+        out["gflop_per_image"] = flops / batch / 1e9
+        out["tflops"] = flops / t.seconds / 1e12
+        if peak:
+            out["pct_peak"] = 100.0 * out["tflops"] / peak
+    return out
+
+
+# --------------------------------------------------------------------------- peak
+
+def peak_family(ctx) -> None:
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    size = int(ctx.p.matmul_size)
+
+    def fn():
+        reset_memory(ctx.device)
+        r = matmul_rate(ctx.device, size, dtype)
+        ctx.peak_tflops = r["tflops"]
+        return r
+    ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size}, fn)
+
+
+# --------------------------------------------------------------------------- dino
+
+def dino_family(ctx) -> None:
+    p = ctx.p
+    for model in ctx.models:
+        for strategy in p.strategies:
+            flops: dict = {}
+            for comp in p.compile:
+                ident = {"model": model, "strategy": strategy, "impl": "ours compile" if comp else "ours eager"}
+                ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, bool(comp), flops))
+            if p.reference:
+                ident = {"model": model, "strategy": strategy, "impl": "reference"}
+                ctx.attempt("dino", ident, lambda: _dino_reference(ctx, model, strategy, flops))
+
+
+def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
+    from resmlp.ssl.train import crop_plan
+    p, dev = ctx.p, ctx.device
+    reset_memory(dev)
+    cfg = dino_config(p, model, strategy)
+    plan = crop_plan(cfg)
+    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    step = build_our_step(cfg, dev, p.precision, comp)
+    try:
+        t, loss = time_step(step, crops, dev, p)
+        mem = peak_memory_gb(dev)
+        if "flops" not in flops:  # counted once, on the eager modules
+            saved = step.forward_student, step.forward_teacher
+            step.forward_student = step.forward_teacher = None
+            flops["flops"] = count_flops(lambda: call_step(step, crops))
+            step.forward_student, step.forward_teacher = saved
+    finally:
+        del step
+        _compile_cleanup(comp)
+    fields = step_fields(t, int(p.batch_size), 2 + plan["n_local"], flops["flops"], ctx.peak_tflops, dev)
+    fields["mem_gb"] = mem
+    return {"precision": p.precision, "batch": int(p.batch_size), "crops": crops_label(plan),
+            "loss": loss, **fields}
+
+
+def _dino_reference(ctx, model, strategy, flops) -> dict:
+    from resmlp.ssl.train import crop_plan
+    p, dev = ctx.p, ctx.device
+    reset_memory(dev)
+    cfg = dino_config(p, model, strategy)
+    plan = crop_plan(cfg)
+    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    step, backbone = build_reference_step(cfg, dev, strategy)
+    t, loss = time_step(step, crops, dev, p)
+    mem = peak_memory_gb(dev)
+    if "flops" not in flops:
+        flops["flops"] = count_flops(lambda: call_step(step, crops))
+    del step
+    fields = step_fields(t, int(p.batch_size), 2 + plan["n_local"], flops["flops"], ctx.peak_tflops, dev)
+    fields["mem_gb"] = mem
+    return {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "batch": int(p.batch_size),
+            "crops": crops_label(plan), "backbone": backbone, "loss": loss, **fields}
+
+
+# --------------------------------------------------------------------------- e2e
+
+def synthetic_image(width: int, height: int, seed: int):
+    """A photo-like RGB PIL image: a coarse random colour grid, upsampled, plus noise
+    (compresses and decodes like a photograph, unlike white noise)."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
+    smooth = np.asarray(coarse.resize((width, height), Image.BICUBIC), dtype=np.int16)
+    noisy = smooth + rng.integers(-12, 13, smooth.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+def make_jpeg_folder(root: str, n: int, min_px: int, max_px: int, classes: int = 10, seed: int = 0) -> float:
+    """Write n synthetic JPEGs of random sides in [min_px, max_px] as root/train/<class>/
+    (one more per class in root/val/); returns the mean file size in KB."""
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for i in range(n + classes):
+        split, c = ("train", i % classes) if i < n else ("val", i - n)
+        w, h = (int(x) for x in rng.integers(min_px, max_px + 1, 2))
+        jobs.append((os.path.join(root, split, f"c{c:02d}", f"{i:06d}.jpg"), w, h, int(rng.integers(2**31))))
+    for split in ("train", "val"):
+        for c in range(classes):
+            os.makedirs(os.path.join(root, split, f"c{c:02d}"), exist_ok=True)
+
+    def write(job):
+        path, w, h, s = job
+        synthetic_image(w, h, s).save(path, quality=90)
+        return os.path.getsize(path)
+    with ThreadPoolExecutor(max(1, cores())) as pool:
+        sizes = list(pool.map(write, jobs))
+    return float(np.mean(sizes[:n])) / 1024
+
+
+def _cycle(loader, sampler):
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def loader_rate(loader, sampler, consume, warmup: int, steps: int, device, batch: int) -> float:
+    """Images/s of consume(batch) over a loader, in steady state: `warmup` batches first
+    (worker start, compilation), then `steps` batches; the rate is taken over the second
+    half, once the prefetch queue filled during the warm-up has drained."""
+    it = _cycle(loader, sampler)
+    try:
+        for _ in range(warmup):
+            consume(next(it))
+        sync(device)
+        stamps = [time.perf_counter()]
+        for _ in range(steps):
+            consume(next(it))
+            stamps.append(time.perf_counter())
+        sync(device)
+        stamps[-1] = time.perf_counter()
+    finally:
+        it.close()
+    half = len(stamps) // 2
+    return (len(stamps) - 1 - half) * batch / (stamps[-1] - stamps[half])
+
+
+def _loader(dataset, sampler, batch: int, workers: int, device):
+    from torch.utils.data import DataLoader
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers,
+                      pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0,
+                      prefetch_factor=2 if workers > 0 else None)
+
+
+def e2e_family(ctx) -> None:
+    from resmlp.ssl.train import crop_plan
+    p, e, dev = ctx.p, ctx.p.e2e, ctx.device
+    workers = cores() if str(e.workers) == "auto" else int(e.workers)
+    base = {"model": e.model, "strategy": e.strategy, "impl": "ours compile" if e.compile else "ours eager",
+            "batch": int(p.batch_size), "workers": workers}
+    root = tempfile.mkdtemp(prefix="resmlp_bench_jpeg_")
+    state: dict = {}
+    try:
+        def setup():
+            t0 = time.perf_counter()
+            kb = make_jpeg_folder(root, int(e.n_images), int(e.min_px), int(e.max_px))
+            reset_memory(dev)
+            cfg = dino_config(p, e.model, e.strategy, [f"data.root={root}"])
+            state.update(cfg=cfg, plan=crop_plan(cfg), step=build_our_step(cfg, dev, p.precision, bool(e.compile)))
+            return {"images": int(e.n_images), "mean_kb": kb, "write_s": time.perf_counter() - t0}
+        if ctx.attempt("e2e", {**base, "path": "write JPEGs"}, setup)["status"] != "ok":
+            return
+        ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
+        ctx.attempt("e2e", {**base, "path": "CPU augmentation"}, lambda: _e2e_cpu(ctx, state, workers))
+        ctx.attempt("e2e", {**base, "path": "GPU augmentation"}, lambda: _e2e_gpu(ctx, state, workers))
+    finally:
+        state.clear()
+        _compile_cleanup(bool(e.compile))
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _e2e_synthetic(ctx, state) -> dict:
+    p, dev, plan = ctx.p, ctx.device, state["plan"]
+    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    t, _ = time_step(state["step"], crops, dev, p)
+    state["synthetic"] = int(p.batch_size) / t.seconds
+    return {"images_per_s": state["synthetic"], "crops": crops_label(plan), "first_s": t.first_s,
+            "mem_gb": peak_memory_gb(dev)}
+
+
+def _vs_synthetic(state, rate: float) -> float | None:
+    return rate / state["synthetic"] if state.get("synthetic") else None
+
+
+def _e2e_cpu(ctx, state, workers: int) -> dict:
+    from resmlp.data import build_dataset, build_multicrop_transform
+    from resmlp.data.resumable import EpochSampler, SeededTransform
+    p, e, dev, cfg, plan, step = ctx.p, ctx.p.e2e, ctx.device, state["cfg"], state["plan"], state["step"]
+    batch = int(p.batch_size)
+    dataset = build_dataset(cfg.data, "train")
+    transform = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
+                                          plan["global_scale"], plan["local_scale"])
+    sampler = EpochSampler(len(dataset), batch, seed=0)
+    loader = _loader(SeededTransform(dataset, transform, 0), sampler, batch, workers, dev)
+
+    def to_device(b):
+        return [c.to(dev, non_blocking=True) for c in b[0]]
+    only = loader_rate(loader, sampler, to_device, int(e.warmup), int(e.steps), dev, batch)
+    full = loader_rate(loader, sampler, lambda b: call_step(step, to_device(b)), int(e.warmup), int(e.steps),
+                       dev, batch)
+    del loader
+    return {"images_per_s": full, "vs_synthetic": _vs_synthetic(state, full), "loader_only_images_per_s": only,
+            "mem_gb": peak_memory_gb(dev)}
+
+
+def _e2e_gpu(ctx, state, workers: int) -> dict:
+    from resmlp.data import build_dataset
+    from resmlp.data.gpu_augment import GpuMultiCrop, KeyedDataset, uint8_fixed_size
+    from resmlp.data.resumable import EpochSampler
+    p, e, dev, cfg, plan, step = ctx.p, ctx.p.e2e, ctx.device, state["cfg"], state["plan"], state["step"]
+    batch = int(p.batch_size)
+    aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(e.interpolation), compile=bool(e.aug_compile))
+    dataset = KeyedDataset(build_dataset(cfg.data, "train"), uint8_fixed_size(int(e.fixed_size)))
+    sampler = EpochSampler(len(dataset), batch, seed=0)
+    loader = _loader(dataset, sampler, batch, workers, dev)
+
+    def crops_of(b):
+        images, _, keys = b
+        return aug(images.to(dev, non_blocking=True), seed=int(ctx.seed), keys=keys.to(dev, non_blocking=True))
+
+    def only(b):
+        crops_of(b)
+        sync(dev)
+    loader_only = loader_rate(loader, sampler, only, int(e.warmup), int(e.steps), dev, batch)
+    full = loader_rate(loader, sampler, lambda b: call_step(step, crops_of(b)), int(e.warmup), int(e.steps),
+                       dev, batch)
+    del loader
+    _compile_cleanup(bool(e.aug_compile))
+    return {"images_per_s": full, "vs_synthetic": _vs_synthetic(state, full), "loader_only_images_per_s": loader_only,
+            "fixed_size": int(e.fixed_size), "aug": repr(aug), "mem_gb": peak_memory_gb(dev)}
+
+
+# --------------------------------------------------------------------------- inference
+
+def inference_family(ctx) -> None:
+    from resmlp.bench.reference import model_dims
+    q = ctx.p.inference
+    for model in ctx.inference_models():
+        cfg = dino_config(ctx.p, model, "none")
+        dims = model_dims(cfg.model, cfg.data.img_size)
+        ident = {"model": model, "dtype": str(q.dtype), "batch": int(q.batch_size)}
+        check: dict = {}
+        ctx.attempt("inference", {**ident, "impl": "check: folded ours = timm (fp32)"},
+                    lambda: _fold_check(cfg, dims, check))
+        variants = [("timm eager", "timm", False, False), ("timm compile", "timm", False, True),
+                    ("ours eager", "ours", False, False), ("ours folded eager", "ours", True, False),
+                    ("ours folded compile", "ours", True, True)]
+        for name, kind, fold, comp in variants:
+            if comp and not q.compile:
+                continue
+            ctx.attempt("inference", {**ident, "impl": name},
+                        lambda: _infer(ctx, cfg, dims, kind, fold, comp))
+
+
+def _fold_check(cfg, dims, check) -> dict:
+    """timm's model with perturbed random weights, loaded into ours and folded: same logits."""
+    from resmlp.bench.reference import timm_resmlp
+    from resmlp.models import fold_affine, load_pretrained
+    from resmlp.models.from_config import build_model
+    g = torch.Generator().manual_seed(0)
+    ref = timm_resmlp(dims, 0.0, num_classes=1000).eval()
+    with torch.no_grad():
+        for t in ref.parameters():
+            t.add_(0.05 * torch.randn(t.shape, generator=g))
+    ours = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
+    load_pretrained(ours, ref.state_dict())
+    folded = fold_affine(ours).eval()
+    x = torch.randn(4, 3, dims["img"], dims["img"], generator=g)
+    with torch.no_grad():
+        want, got = ref(x), folded(x)
+    check["rel_err"] = float((got - want).norm() / want.norm())
+    return {"rel_err": check["rel_err"]}
+
+
+def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
+    from resmlp.bench.reference import timm_resmlp
+    from resmlp.models import fold_affine
+    from resmlp.models.from_config import build_model
+    q, dev = ctx.p.inference, ctx.device
+    dtype = DTYPES[str(q.dtype)]
+    reset_memory(dev)
+    if kind == "timm":
+        net = timm_resmlp(dims, 0.0, num_classes=1000)
+    else:
+        net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
+        if fold:
+            net = fold_affine(net)
+    net = net.to(dev, dtype).eval()
+    fwd = torch.compile(net) if comp else net
+    x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=dtype)
+
+    def call():
+        with torch.inference_mode():
+            fwd(x)
+    try:
+        t = measure(call, dev, int(q.warmup), int(q.steps), int(q.repeats))
+    finally:
+        _compile_cleanup(comp)
+    return {"images_per_s": int(q.batch_size) / t.seconds, "ms": 1e3 * t.seconds, "first_s": t.first_s,
+            "spread": t.spread, "mem_gb": peak_memory_gb(dev)}
+
+
+# --------------------------------------------------------------------------- k-NN
+
+def knn_family(ctx) -> None:
+    k = ctx.p.knn
+    n_train, n_test, dim, classes = int(k.n_train), int(k.n_test), int(k.dim), int(k.classes)
+    g = torch.Generator().manual_seed(0)
+    # clustered features, so that the vote has something to find (top-1 as a sanity check)
+    centroids = torch.randn(classes, dim, generator=g)
+    train_y = torch.randint(classes, (n_train,), generator=g)
+    train = torch.randn(n_train, dim, generator=g).mul_(3.0).add_(centroids[train_y])
+    test_y = torch.randint(classes, (n_test,), generator=g)
+    test = torch.randn(n_test, dim, generator=g).mul_(3.0).add_(centroids[test_y])
+    data = (train, train_y, test, test_y, classes)
+    for backend in k.backends:
+        ident = {"backend": str(backend), "n_train": n_train, "dim": dim, "k": int(k.k)}
+        ctx.attempt("knn", ident, lambda: _knn_one(ctx, str(backend), data))
+
+
+def _knn_one(ctx, backend: str, data) -> dict:
+    train, train_y, test, test_y, classes = data
+    k, dev = ctx.p.knn, ctx.device
+    on_gpu = dev.type == "cuda"
+    if backend == "torch":
+        where, name = dev, "torch"
+    elif backend == "torch-raw":
+        return _knn_raw(ctx, train, test)
+    elif backend in ("faiss-gpu", "faiss-cpu"):
+        try:
+            import faiss  # noqa: F401
+        except ImportError:
+            raise Skip("faiss is not installed") from None
+        if backend == "faiss-gpu":
+            from resmlp.eval.knn import faiss_gpu_works
+            if not on_gpu:
+                raise Skip("no GPU")
+            if not faiss_gpu_works(dev.index or 0):
+                raise Skip("faiss's GPU index does not run (exactly) on this GPU")
+            where, name = dev, "faiss"
+        else:
+            where, name = torch.device("cpu"), "faiss"
+    else:
+        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-raw, faiss-gpu, faiss-cpu")
+    from resmlp.eval.knn import knn_classify
+    n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
+    knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where)  # warm up
+    sync(dev)
+    t0 = time.perf_counter()
+    scores = knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07, backend=name,
+                          device=where)
+    sync(dev)
+    sec = time.perf_counter() - t0
+    top1 = float((scores.argmax(1) == test_y[:n]).float().mean() * 100)
+    return {"device": where.type, "queries": n, "seconds": sec, "seconds_full": sec * test.shape[0] / n,
+            "queries_per_s": n / sec, "top1": top1, "mem_gb": peak_memory_gb(dev)}
+
+
+def _knn_raw(ctx, train, test) -> dict:
+    """The floor of the search alone: unit features on the device, chunked fp32 matmul +
+    topk, no exact re-ranking, no labels (what knn_search's first pass costs at best)."""
+    k, dev = ctx.p.knn, ctx.device
+    reset_memory(dev)
+    n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
+    tr = torch.nn.functional.normalize(train.to(dev), dim=1)
+    te = torch.nn.functional.normalize(test[:n].to(dev), dim=1)
+    rows = max(1, min(4096, (1 << 30) // (4 * tr.shape[0])))
+
+    def search():
+        for s in range(0, n, rows):
+            (te[s:s + rows] @ tr.T).topk(int(k.k), dim=1)
+    t = measure(search, dev, warmup=1, calls=1, repeats=2)
+    return {"device": dev.type, "queries": n, "seconds": t.seconds, "seconds_full": t.seconds * test.shape[0] / n,
+            "queries_per_s": n / t.seconds, "mem_gb": peak_memory_gb(dev),
+            "note": "fp32 matmul+topk on the device, features already there; no exact re-rank"}
+
+
+# --------------------------------------------------------------------------- augmentation
+
+def aug_family(ctx) -> None:
+    from resmlp.data import build_multicrop_transform
+    from resmlp.data.gpu_augment import uint8_fixed_size
+    from resmlp.data.transforms import mean_std
+    from resmlp.ssl.train import crop_plan
+    a, p = ctx.p.aug, ctx.p
+    cfg = dino_config(p, ctx.models[0], "subgrid")
+    plan = crop_plan(cfg)
+    mean, std = mean_std(cfg.data)
+    rng = np.random.default_rng(1)
+    sides = rng.integers(int(a.min_px), int(a.max_px) + 1, (int(a.n_images), 2))
+    images = [synthetic_image(int(w), int(h), i) for i, (w, h) in enumerate(sides)]
+    few = images[:max(1, int(a.cpu_images))]
+    label = crops_label(plan)
+    ours = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
+                                     plan["global_scale"], plan["local_scale"])
+    ctx.attempt("aug", {"impl": "ours CPU (build_multicrop_transform)", "where": "cpu", "threads": 1, "crops": label},
+                lambda: _per_image(ours, few))
+
+    def lightly_rate():
+        need_lightly()
+        from lightly.transforms import DINOTransform
+        t = DINOTransform(global_crop_size=plan["global_size"], global_crop_scale=plan["global_scale"],
+                          local_crop_size=plan["local_size"], local_crop_scale=plan["local_scale"],
+                          n_local_views=plan["n_local"], normalize={"mean": list(mean), "std": list(std)})
+        return _per_image(t, few)
+    ctx.attempt("aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, lightly_rate)
+    fixed = uint8_fixed_size(int(a.fixed_size))
+    ctx.attempt("aug", {"impl": f"uint8_fixed_size({int(a.fixed_size)}) (GPU path's loader side)", "where": "cpu",
+                        "threads": 1, "crops": "-"}, lambda: _per_image(fixed, few))
+    batch = torch.stack([fixed(im) for im in images[:int(a.batch_size)]])
+    for interp in a.interpolation:
+        ident = {"impl": f"GpuMultiCrop {interp} eager", "where": "cpu", "threads": 1, "crops": label}
+        ctx.attempt("aug", ident, lambda: _gpu_aug_rate(ctx, plan, cfg, batch, str(interp), False,
+                                                         torch.device("cpu"), n_threads=1))
+        if ctx.device.type == "cuda":
+            for comp in a.device_compile:
+                ident = {"impl": f"GpuMultiCrop {interp} {'compile' if comp else 'eager'}", "where": "cuda",
+                         "threads": None, "crops": label}
+                ctx.attempt("aug", ident, lambda: _gpu_aug_rate(ctx, plan, cfg, batch, str(interp), bool(comp),
+                                                                 ctx.device))
+
+
+def _per_image(transform, images) -> dict:
+    with threads(1):
+        torch.manual_seed(0)
+
+        def all_images():
+            for im in images:
+                transform(im)
+        t = measure(all_images, torch.device("cpu"), warmup=1, calls=1, repeats=3)
+    return {"images_per_s": len(images) / t.seconds, "per_core": True, "spread": t.spread}
+
+
+def _gpu_aug_rate(ctx, plan, cfg, batch_u8, interp: str, comp: bool, device, n_threads=None) -> dict:
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=interp, compile=comp)
+    x = batch_u8.to(device)
+    reset_memory(device)
+    try:
+        with threads(n_threads):
+            t = measure(lambda: aug(x, seed=0), device, warmup=2 if comp else 1, calls=int(ctx.p.repeats),
+                        repeats=int(ctx.p.repeats))
+    finally:
+        _compile_cleanup(comp)
+    return {"images_per_s": x.shape[0] / t.seconds, "batch": int(x.shape[0]), "first_s": t.first_s,
+            "per_core": n_threads == 1, "spread": t.spread, "mem_gb": peak_memory_gb(device)}

@@ -1,0 +1,1 @@
+"""What every command shares: config, distributed setup, checkpoints, logging, errors, the CLI."""

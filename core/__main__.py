@@ -1,0 +1,5 @@
+import sys
+
+from resmlp.core.cli import main
+
+sys.exit(main())

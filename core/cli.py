@@ -1,0 +1,176 @@
+"""The command line behind run.sh: `resmlp <command> [model | checkpoint] [key=value ...]`.
+
+Each command is a module with `run(cfg)`; this file only picks the module, builds the
+config and turns a UserError into one line on stderr with exit code 2.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+
+from resmlp.core.errors import RunFailed, UserError
+
+
+@dataclass(frozen=True)
+class Command:
+    target: str            # "module:function"
+    help: str
+    positional: str = ""   # "model", "checkpoint" or "" (what the word after the command is)
+    aliases: dict = field(default_factory=dict)  # short override names, e.g. T -> knn.temperature
+
+
+COMMANDS = {
+    "dino": Command("resmlp.ssl.train:run", "DINO self-supervised pretraining", "model"),
+    "knn": Command("resmlp.eval.knn:run", "k-NN accuracy of frozen features", "checkpoint",
+                   {"k": "knn.k", "T": "knn.temperature", "key": "knn.key"}),
+    "linear": Command("resmlp.eval.linear:run", "linear probe on frozen features", "checkpoint",
+                      {"key": "knn.key"}),
+    "viz": Command("resmlp.eval.viz:run", "the paper's figures: cross-patch weights, sparsity, curves",
+                   "checkpoint", {"key": "knn.key"}),
+    "supervised": Command("resmlp.supervised.train:run", "supervised training from scratch", "model"),
+    "distill": Command("resmlp.supervised.train:run", "DeiT hard (or soft) distillation from a teacher",
+                       "model", {"teacher": "distill.teacher"}),
+    "finetune": Command("resmlp.supervised.train:run", "supervised fine-tuning of a DINO checkpoint",
+                        "checkpoint"),
+    "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model"),
+    "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true)"),
+    "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: bash run.sh <command> [model | checkpoint] [key=value ...]", "", "commands:"]
+    for name, c in COMMANDS.items():
+        arg = f" <{c.positional}>" if c.positional else ""
+        lines.append(f"  {name + arg:<24} {c.help}")
+    lines += [f"  {'test':<24} run the test suite (pytest)", f"  {'help':<24} this text", "",
+              "models: " + ", ".join(model_names()),
+              "examples:",
+              "  bash run.sh dino resmlp_s12                       # Fashion-MNIST, the default data",
+              "  bash run.sh dino resmlp_s24 data=imagenet data.root=/data/imagenet",
+              "  bash run.sh knn runs/dino_resmlp_s12_fashion_mnist k=10,20 T=0.07",
+              "  NPROC_PER_NODE=8 bash run.sh dino resmlp_s12 data=imagenet data.root=...",
+              "config files: configs/ (defaults.yaml, method/, model/, data/, recipe/)"]
+    return "\n".join(lines)
+
+
+def model_names() -> list[str]:
+    from resmlp.core.config import available
+    return available("model")
+
+
+def check_model(name: str, command: str) -> None:
+    if name in model_names():
+        return
+    import timm
+    if command in ("supervised", "distill", "compare", "bench") and timm.is_model(name):
+        return  # any timm architecture can be trained with the supervised recipe
+    raise UserError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
+                    + (" (or any timm model name)" if command in ("supervised", "distill") else ""))
+
+
+def expand_aliases(args: list[str], aliases: dict) -> list[str]:
+    out = []
+    for a in args:
+        k, sep, v = a.partition("=")
+        if sep and k in aliases:
+            if aliases[k] == "knn.k" and "," in v:
+                v = "[" + v + "]"
+            a = f"{aliases[k]}={v}"
+        out.append(a)
+    return out
+
+
+def saved_config(checkpoint: str) -> dict | None:
+    """The config a project checkpoint or run dir was trained with, if any."""
+    from pathlib import Path
+    if checkpoint.startswith("timm:"):
+        return None
+    path = Path(checkpoint).expanduser()
+    if path.is_dir() and (path / "config.yaml").exists():
+        from omegaconf import OmegaConf
+        return OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
+    from resmlp.core.checkpoint import load_checkpoint
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.get("config")
+    return cfg if isinstance(cfg, dict) else None
+
+
+def build(argv: list[str]):
+    """(command spec, config) from argv; raises UserError on bad input."""
+    from resmlp.core.config import load_config
+    if not argv or argv[0] in ("help", "-h", "--help"):
+        return None, None
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        raise UserError(f"unknown command {name!r}; choose one of: {', '.join([*COMMANDS, 'test', 'help'])}")
+    cmd = COMMANDS[name]
+    positional = None
+    if cmd.positional and rest and "=" not in rest[0]:
+        positional, rest = rest[0], rest[1:]
+    rest = expand_aliases(rest, cmd.aliases)
+    model, base, extra = None, None, []
+    if cmd.positional == "model":
+        model = positional
+        if model is None:
+            for a in rest:
+                if a.startswith("model="):
+                    model = a.split("=", 1)[1]
+            model = model or "resmlp_s12"
+        check_model(model, name)
+    elif cmd.positional == "checkpoint":
+        if positional is None:
+            raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} <checkpoint | run dir | timm:<name>>")
+        base = saved_config(positional)
+        extra = [f"checkpoint={positional}"]
+    elif positional is not None:
+        raise UserError(f"`{name}` takes only key=value arguments, not {positional!r}")
+    return cmd, load_config(name, model, [*extra, *rest], base=base)
+
+
+def unwrap_user_error(e: BaseException) -> UserError | None:
+    """A UserError raised in a DataLoader worker arrives re-raised as another type."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        text = str(e)
+        if "UserError: " in text:
+            return UserError(text.rsplit("UserError: ", 1)[1].strip().splitlines()[0])
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cmd, cfg = build(argv)
+        if cmd is None:
+            print(usage())
+            return 0
+        module, func = cmd.target.split(":")
+        try:
+            run = getattr(importlib.import_module(module), func)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("resmlp"):
+                raise UserError(f"command {argv[0]!r} is not available in this version") from None
+            raise
+        return int(run(cfg) or 0)
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - only user errors are turned into one line
+        user = unwrap_user_error(e)
+        if user is None:
+            raise
+        print(f"error: {user}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""torch.distributed in one place: every command starts here, under torchrun or not.
+
+Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) `setup()` joins the
+process group (NCCL on GPU, gloo on CPU); otherwise the helpers below behave as a
+world of one, so callers never branch on "is this distributed".
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from resmlp.core.errors import UserError
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """`auto` takes this process's GPU when there is one, else the CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise UserError(f"device={requested!r} is not one of auto, cpu, cuda")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def setup(requested_device: str = "auto") -> torch.device:
+    """Join the torchrun process group if there is one; return this process's device."""
+    device = pick_device(requested_device)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not is_dist():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def cleanup() -> None:
+    if is_dist():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if is_dist():
+        dist.barrier()
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Average over processes, in place, and return it."""
+    if is_dist():
+        dist.all_reduce(t)
+        t /= world_size()
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if is_dist():
+        dist.all_reduce(t)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate the (possibly different-length) tensors of every rank, rank 0's first."""
+    if not is_dist():
+        return t
+    n = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.zeros_like(n) for _ in range(world_size())]
+    dist.all_gather(sizes, n)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    parts = [torch.zeros_like(padded) for _ in range(world_size())]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+
+
+def broadcast_object(obj):
+    """Rank 0's Python object, on every rank."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

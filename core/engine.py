@@ -1,0 +1,214 @@
+"""What every training run shares: device and process group, run directory, precision,
+logging (stdout, log.jsonl, TensorBoard), checkpoints and resume.
+
+DINO, supervised training, distillation and fine-tuning all open a `Run`; the trainers
+keep only their own loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from resmlp.core import dist
+from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from resmlp.core.config import save_config, to_dict
+from resmlp.core.errors import RunFailed, UserError
+
+# Sections whose change makes a saved checkpoint unusable for this run.
+RESUME_MUST_MATCH = ("command", "model", "data")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    if cfg.out:
+        return Path(cfg.out).expanduser()
+    name = cfg.name or f"{cfg.command}_{cfg.model.name}_{cfg.data.name}"
+    return Path("runs") / name
+
+
+def config_differences(saved: dict, current: dict, keys=RESUME_MUST_MATCH) -> list[str]:
+    """Human-readable 'key: old -> new' lines for the sections that must not change."""
+    diffs = []
+
+    def walk(a, b, prefix):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k, "<unset>"), b.get(k, "<unset>"), f"{prefix}.{k}" if prefix else k)
+        elif a != b:
+            diffs.append(f"{prefix}: {a} -> {b}")
+
+    for k in keys:
+        walk(saved.get(k, "<unset>"), current.get(k, "<unset>"), k)
+    return diffs
+
+
+class JsonlLogger:
+    """log.jsonl plus TensorBoard scalars, written by rank 0 only."""
+
+    def __init__(self, directory: Path | None):
+        self.file = None
+        self.tb = None
+        if directory is None:
+            return
+        self.file = open(directory / "log.jsonl", "a", buffering=1)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(directory / "tb"))
+        except ImportError:  # TensorBoard is optional at run time
+            self.tb = None
+
+    def write(self, record: dict, step: int | None = None) -> None:
+        if self.file is None:
+            return
+        record = {k: (float(v) if isinstance(v, (np.floating, torch.Tensor)) else v)
+                  for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None and step is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("epoch", "iteration"):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Run:
+    """One run's surroundings. Open it first thing in a trainer:
+
+        run = Run(cfg)                       # process group, device, seed, run dir, logs
+        state = run.resume_state()           # None, or the checkpoint to continue from
+        with run.autocast(): loss = ...
+        run.save({...}); run.log({...}, step); run.finish(results)
+    """
+
+    def __init__(self, cfg: DictConfig, check_dir: bool = True):
+        self.cfg = cfg
+        self.device = dist.setup(cfg.device)
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        self.is_main = self.rank == 0
+        seed_everything(int(cfg.seed) + self.rank)
+        if cfg.batch_size % self.world_size:
+            raise UserError(f"batch_size={cfg.batch_size} is not divisible by the {self.world_size} processes")
+        self.batch_per_rank = cfg.batch_size // self.world_size
+        self.amp_dtype, self.use_scaler = self._precision(cfg.precision)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.use_scaler)
+        self.dir = run_dir(cfg)
+        self.ckpt_path = self.dir / CHECKPOINT_NAME
+        self._checked_resume = self._check_run_dir() if check_dir else None
+        if self.is_main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.dir / "config.yaml")
+        dist.barrier()
+        self.logger = JsonlLogger(self.dir if self.is_main else None)
+        self.started = time.time()
+        self.interactive = sys.stderr.isatty() and self.is_main
+
+    # ---- setup -------------------------------------------------------------------------
+    def _precision(self, precision: str):
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        table = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, True), "fp32": (None, False)}
+        if precision not in table:
+            raise UserError(f"precision={precision!r} is not one of auto, bf16, fp16, fp32")
+        dtype, scaler = table[precision]
+        if dtype == torch.float16 and self.device.type != "cuda":
+            raise UserError("precision=fp16 needs a GPU; use precision=fp32 or bf16 on the CPU")
+        return dtype, scaler
+
+    def _check_run_dir(self):
+        """Refuse to resume (or overwrite) a run dir that holds another model or data."""
+        saved_cfg = self.dir / "config.yaml"
+        if not self.ckpt_path.exists():
+            return None
+        if self.cfg.resume == "never":
+            raise UserError(f"{self.dir} already holds a checkpoint; pass resume=auto to continue it, "
+                            "or out=<another dir>")
+        if self.cfg.resume != "auto":
+            raise UserError(f"resume={self.cfg.resume!r} is not one of auto, never")
+        saved = OmegaConf.to_container(OmegaConf.load(saved_cfg)) if saved_cfg.exists() else \
+            load_checkpoint(self.ckpt_path).get("config", {})
+        diffs = config_differences(saved, to_dict(self.cfg))
+        if diffs:
+            raise UserError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:4])}); "
+                            "use out=<new dir>, or the old values to resume")
+        return True
+
+    def resume_state(self) -> dict | None:
+        """The checkpoint to continue from (resume=auto and one exists), else None."""
+        if not self._checked_resume:
+            return None
+        state = load_checkpoint(self.ckpt_path, map_location="cpu")
+        self.print(f"resuming from {self.ckpt_path} (epoch {state.get('epoch')}, "
+                   f"iteration {state.get('iteration')})")
+        return state
+
+    # ---- during training ---------------------------------------------------------------
+    def autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def print(self, *args) -> None:
+        if self.is_main:
+            print(*args, flush=True)
+
+    def log(self, record: dict, step: int | None = None) -> None:
+        self.logger.write(record, step)
+
+    def check_finite(self, loss: torch.Tensor, where: str) -> None:
+        if not math.isfinite(float(loss)):
+            raise RunFailed(f"loss is {float(loss)} at {where}; stopped. The last good checkpoint "
+                            f"{self.ckpt_path} is intact. Lower the learning rate or (DINO) the teacher "
+                            "temperature, or use precision=fp32, then run again to resume")
+
+    def save(self, state: dict, name: str = CHECKPOINT_NAME) -> None:
+        if self.is_main:
+            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
+                                              **state})
+        dist.barrier()
+
+    def peak_memory_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return 0.0
+
+    def finish(self, results: dict) -> dict:
+        results = {"wall_time_s": round(time.time() - self.started, 1),
+                   "device": device_name(self.device), "world_size": self.world_size, **results}
+        if self.is_main:
+            with open(self.dir / "results.json", "w") as f:
+                json.dump(results, f, indent=2)
+        self.logger.close()
+        return results
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def progress(iterable, total: int, desc: str, enabled: bool):
+    """A tqdm bar with ETA on a terminal; the bare iterable otherwise (trainers print lines)."""
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+    return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, leave=False)

@@ -1,0 +1,25 @@
+"""Data: datasets, transforms and loaders shared by every command.
+
+Datasets yield (transform(RGB PIL image), int label) and have .classes, .targets and
+.source; every image becomes 3-channel RGB (see images.py). The modules:
+
+- datasets.py       build_dataset, train_split_for_ssl, num_classes, class_names
+- fashion_mnist.py, imagefolder.py, torchvision_sets.py   one per source of files
+- subset.py         data.subset: deterministic class-balanced subsets
+- transforms.py     eval and linear-probe transforms, mean/std
+- multicrop.py      DINO multi-crop (and the uint8 hook for a GPU stage)
+- loader.py         build_loader, set_epoch, ShardSampler, worker error unwrapping
+- inspect.py        `run.sh data`
+"""
+from resmlp.data.datasets import (build_dataset, class_names, dataset_splits, num_classes,
+                                  train_split_for_ssl)
+from resmlp.data.loader import ShardSampler, build_loader, set_epoch, worker_error_message
+from resmlp.data.multicrop import MultiCropTransform, ViewSpec, build_multicrop_transform
+from resmlp.data.transforms import build_eval_transform, build_linear_train_transform, mean_std
+
+__all__ = [
+    "build_dataset", "class_names", "dataset_splits", "num_classes", "train_split_for_ssl",
+    "ShardSampler", "build_loader", "set_epoch", "worker_error_message",
+    "MultiCropTransform", "ViewSpec", "build_multicrop_transform",
+    "build_eval_transform", "build_linear_train_transform", "mean_std",
+]

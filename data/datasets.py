@@ -1,0 +1,100 @@
+"""`build_dataset(data_cfg, split)`: the one entry point from `data.name` to a torch Dataset.
+
+Every dataset yields (transform(img), int label) where img is an RGB PIL image (the rule
+in images.py), and has `.classes` (list of str), `.targets` (list or 1-D int array) and
+`.source` (where its files were found).
+
+| data.name     | splits                       | files (see its module)                    |
+|---------------|------------------------------|-------------------------------------------|
+| fashion_mnist | train, test                  | idx files: data.root, cache, Debian pkg   |
+| imagefolder   | train, test (= val/)         | data.root/train/<class>/, data.root/val/  |
+| imagenet      | train, test (= val/)         | as imagefolder (1000 class folders)       |
+| cifar10       | train, test                  | torchvision: data.root or cache           |
+| cifar100      | train, test                  | torchvision: data.root or cache           |
+| stl10         | train, test, unlabeled       | torchvision: data.root or cache           |
+
+`data.subset=N` replaces the training splits (train, and STL-10's unlabeled) by a
+deterministic, class-balanced subset of N images (subset.py); the test split stays whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from resmlp.core.errors import UserError
+from resmlp.data import fashion_mnist, imagefolder, torchvision_sets
+from resmlp.data.subset import make_subset
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    build: Callable           # (data_cfg, split, transform) -> Dataset
+    splits: tuple             # split names it has
+    num_classes: int | None   # known without touching files (None: count class folders)
+    classes: tuple | None     # known names (None: read them)
+
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                   "dog", "frog", "horse", "ship", "truck")
+STL10_CLASSES = ("airplane", "bird", "car", "cat", "deer", "dog", "horse", "monkey", "ship", "truck")
+
+DATASETS: dict[str, DatasetInfo] = {
+    "fashion_mnist": DatasetInfo(fashion_mnist.build, ("train", "test"), 10, tuple(fashion_mnist.CLASSES)),
+    "imagefolder": DatasetInfo(imagefolder.build, ("train", "test"), None, None),
+    "imagenet": DatasetInfo(imagefolder.build, ("train", "test"), None, None),
+    "cifar10": DatasetInfo(torchvision_sets.build, ("train", "test"), 10, CIFAR10_CLASSES),
+    "cifar100": DatasetInfo(torchvision_sets.build, ("train", "test"), 100, None),
+    "stl10": DatasetInfo(torchvision_sets.build, ("train", "test", "unlabeled"), 10, STL10_CLASSES),
+}
+
+SUBSET_SPLITS = ("train", "unlabeled")
+
+
+def dataset_info(data_cfg) -> DatasetInfo:
+    name = data_cfg.get("name", None)
+    if name not in DATASETS:
+        raise UserError(f"data.name={name} is not a dataset; choose one of {', '.join(DATASETS)}")
+    return DATASETS[name]
+
+
+def dataset_splits(data_cfg) -> tuple:
+    """The split names `data.name` has, e.g. ('train', 'test')."""
+    return dataset_info(data_cfg).splits
+
+
+def train_split_for_ssl(data_cfg) -> str:
+    """The split self-supervised pretraining (DINO) reads: 'unlabeled' for stl10, else 'train'."""
+    return "unlabeled" if "unlabeled" in dataset_splits(data_cfg) else "train"
+
+
+def build_dataset(data_cfg, split: str, transform=None):
+    """The `split` ('train' | 'test' | 'unlabeled' for stl10) of `data.name`, subset applied.
+
+    `transform` is applied to the RGB PIL image. A missing or broken dataset is a UserError.
+    """
+    info = dataset_info(data_cfg)
+    if split not in info.splits:
+        raise UserError(f"data.name={data_cfg.name} has splits {', '.join(info.splits)}, not {split!r}")
+    dataset = info.build(data_cfg, split, transform)
+    n = data_cfg.get("subset", None)
+    if n is not None and split in SUBSET_SPLITS:
+        dataset = make_subset(dataset, n)
+    return dataset
+
+
+def num_classes(data_cfg) -> int:
+    """Number of classes; a constant, or one listing of root/train/ for image folders."""
+    info = dataset_info(data_cfg)
+    if info.num_classes is not None:
+        return info.num_classes
+    return len(imagefolder.train_classes(data_cfg))
+
+
+def class_names(data_cfg) -> list[str]:
+    """Class names in label order (reads the folder listing or CIFAR-100's meta file)."""
+    info = dataset_info(data_cfg)
+    if info.classes is not None:
+        return list(info.classes)
+    if info.build is imagefolder.build:
+        return imagefolder.train_classes(data_cfg)
+    return list(build_dataset(data_cfg, "test").classes)

@@ -1,0 +1,480 @@
+"""DINO's multi-crop augmentation for a whole batch at once, on the batch's device.
+
+The CPU path (multicrop.py) augments one PIL image at a time in the loader workers; on
+a GPU box with 16 cores that is likely the bottleneck (reference.md, "Performance
+anchors"). Here the workers only decode and bring every image to one fixed size
+(`uint8_fixed_size`), and `GpuMultiCrop` makes all the views of the batch on the
+device, every sample with its own random parameters:
+
+    crops = GpuMultiCrop(**crop_plan(cfg), mean=mean, std=std)(images_uint8, seed, keys)
+    # -> [global_1, global_2, local_1 .. local_n], float (B, 3, S, S), normalized
+
+Per view, in DINO's order (same probabilities as multicrop.py's table):
+
+1. random resized crop: area fraction ~ U(scale), log aspect ratio ~ U(log 3/4, log 4/3),
+   integer box, 10 attempts then a centred fallback, exactly as torchvision's
+   RandomResizedCrop draws it; then horizontal flip with p 0.5.
+   Interpolation, `interpolation=`:
+     'bicubic' (default): the box is resampled with PIL's antialiased bicubic filter
+       (a = -0.5, kernel widened by the downscale factor, taps limited to the box), i.e.
+       crop-then-resize as torchvision does on the CPU path. It is separable, so each
+       sample's crop + resize + flip is two (S x H) / (S x W) matrices and the whole
+       batch is two batched matmuls.
+     'bilinear': torchvision.ops.roi_align with one box per sample (aligned=True and
+       adaptive sampling: each output pixel averages ceil(box / S)^2 bilinear samples,
+       a box-filter antialias when shrinking), then the flip.
+2. color jitter, p 0.8: brightness 0.4, contrast 0.4, saturation 0.2, hue 0.1, in a
+   random order drawn per sample (as torchvision's ColorJitter), with torchvision's
+   float formulas (blend with black / the mean gray level / the gray image, clamp to
+   [0, 1]; hue through HSV).
+3. grayscale, p 0.2 (0.2989 R + 0.587 G + 0.114 B on every channel).
+4. Gaussian blur, p 1.0 / 0.1 / 0.5 (global 1 / global 2 / locals): sigma ~ U(blur_sigma)
+   per sample, default DINO's (0.1, 2.0) px scaled by global_size / 224 as in
+   multicrop.py; kernel `blur_kernel` taps (default multicrop.blur_kernel_size: 23 at
+   224 px), reflect padding. Separable and per sample: again two batched matmuls with
+   banded (S x S) matrices, so the kernel width costs nothing.
+5. solarization, p 0.2, second global view only (x >= 128/255 -> 1 - x).
+6. normalization with mean / std.
+Differences from the CPU path: values stay float between steps (PIL rounds to uint8
+after each), and the crops come from the fixed-size square, not the whole image (see
+`uint8_fixed_size`).
+
+Randomness: every random number is a counter-based hash of (seed, key of the sample,
+view, draw), no generator state. So the same (seed, keys) give the same crops on any
+device, batch composition or process count, and a resumed run needs only the seed.
+`keys` defaults to the position in the batch (pass `augment_seed(run seed, iteration)`
+as the seed: exact resume); with `KeyedDataset` the keys are the EpochSampler's global
+sample ids (epoch * N + index) and the augmentation of a sample no longer depends on
+which rank or batch it lands in, as resumable.py promises for the CPU path.
+
+Layout inside: images are kept as (N, H, 3, W) ("rows, channels, columns") so that
+the row matmul (N, S, H) @ (N, H, 3W) and the column matmul (N, 3S, W) @ (N, W, S)
+both run on views, without copies; the output is plain contiguous (B, 3, S, S).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from resmlp.core.errors import UserError
+from resmlp.data.multicrop import DINO_JITTER, DINO_SIGMA_AT_224, blur_kernel_size
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+INTERPOLATIONS = ("bicubic", "bilinear")
+
+# Columns of the per-(sample, view) table of uniforms.
+_AREA, _LOGR, _TOP, _LEFT = 0, 10, 20, 30        # 10 crop attempts each
+_FLIP, _JIT, _JFAC, _JORD = 40, 41, 42, 46       # jitter factors b, c, s, h; order keys x4
+_GRAY, _BLUR, _SIGMA, _SOLAR = 50, 51, 52, 53
+_NCOL = 54
+_ATTEMPTS = 10
+_M32 = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- randomness
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32): split c in 16-bit halves so no product
+    leaves int64."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche) on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seed: int, keys: torch.Tensor, n_views: int, n_cols: int = _NCOL) -> torch.Tensor:
+    """Uniforms in [0, 1), float32 (n_views, B, n_cols), a pure function of
+    (seed, keys[b], view, column): no generator, same numbers on any device."""
+    keys = keys.to(torch.int64)
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    state = _fmix32(torch.full_like(keys, (seed & _M32) ^ 0x9E3779B9))
+    state = _fmix32(state ^ (seed >> 32))
+    state = _fmix32(state ^ (keys & _M32))
+    state = _fmix32(state ^ ((keys >> 32) & _M32))
+    counter = torch.arange(n_views * n_cols, device=keys.device, dtype=torch.int64)
+    salt = _fmix32(_mul32(counter + 1, 0x9E3779B9))
+    h = _fmix32(state.view(1, -1, 1) ^ salt.view(n_views, 1, n_cols))
+    h = _fmix32(h ^ 0x5BD1E995)
+    return (h >> 8).to(torch.float32) * (1.0 / 2**24)
+
+
+def augment_seed(run_seed: int, iteration: int, rank: int = 0) -> int:
+    """A 63-bit seed for one training iteration (and rank), from the run's seed."""
+    return int(np.random.SeedSequence([int(run_seed), int(iteration), int(rank)])
+               .generate_state(1, np.uint64)[0] >> 1)
+
+
+# --------------------------------------------------------------------------- geometry
+
+def crop_boxes(u: torch.Tensor, height: int, width: int, scale, ratio):
+    """torchvision's RandomResizedCrop.get_params, vectorized: (top, left, h, w) float (N,)
+    from 40 uniforms per sample (10 attempts of area, log-ratio, top, left)."""
+    area = float(height * width)
+    a = area * (scale[0] + (scale[1] - scale[0]) * u[:, _AREA:_AREA + _ATTEMPTS])
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    ar = torch.exp(lo + (hi - lo) * u[:, _LOGR:_LOGR + _ATTEMPTS])
+    w = torch.round(torch.sqrt(a * ar))
+    h = torch.round(torch.sqrt(a / ar))
+    ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
+    top = torch.minimum(torch.floor(u[:, _TOP:_TOP + _ATTEMPTS] * (height - h + 1)), height - h)
+    left = torch.minimum(torch.floor(u[:, _LEFT:_LEFT + _ATTEMPTS] * (width - w + 1)), width - w)
+    first = ok.to(torch.uint8).argmax(dim=1, keepdim=True)  # first successful attempt
+
+    def pick(t):
+        return t.gather(1, first).squeeze(1)
+
+    # torchvision's fallback after 10 failures: the whole image, ratio clamped, centred
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        fw, fh = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        fw, fh = int(round(height * ratio[1])), height
+    else:
+        fw, fh = width, height
+    any_ok = ok.any(dim=1)
+    full = torch.ones_like(any_ok, dtype=torch.float32)
+    top = torch.where(any_ok, pick(top), full * ((height - fh) // 2))
+    left = torch.where(any_ok, pick(left), full * ((width - fw) // 2))
+    h = torch.where(any_ok, pick(h), full * fh)
+    w = torch.where(any_ok, pick(w), full * fw)
+    return top, left, h, w
+
+
+def _cubic(d: torch.Tensor, a: float = -0.5) -> torch.Tensor:
+    d = d.abs()
+    d2, d3 = d * d, d * d * d
+    near = (a + 2) * d3 - (a + 3) * d2 + 1
+    far = a * d3 - 5 * a * d2 + 8 * a * d - 4 * a
+    return torch.where(d <= 1, near, torch.where(d < 2, far, 0.0))
+
+
+def resample_matrix(start: torch.Tensor, length: torch.Tensor, size_in: int, size_out: int,
+                    gain: float = 1.0, flip: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, size_out, size_in) weights of PIL's antialiased bicubic resize of the span
+    [start, start + length) of an axis to size_out pixels (taps limited to the span);
+    output order reversed for the samples where `flip` (a mirror, at no cost).
+
+    The kernel of output i spans +-2 * max(1, length / size_out) input pixels around its
+    centre; only those taps are evaluated (a static bound, no device sync), then
+    scattered into the dense matrix for the batched matmul."""
+    dev = start.device
+    n = start.shape[0]
+    scale = (length / size_out).view(-1, 1, 1)
+    support = torch.clamp(scale, min=1.0)
+    i = torch.arange(size_out, device=dev, dtype=torch.float32).view(1, -1, 1)
+    if flip is not None:
+        i = torch.where(flip.view(-1, 1, 1), (size_out - 1) - i, i)
+    centers = start.view(-1, 1, 1) + (i + 0.5) * scale                               # (N, S, 1)
+    n_taps = 2 * math.ceil(2 * max(1.0, size_in / size_out)) + 2
+    first = torch.floor(centers - 2 * support - 0.5)                                 # (N, S, 1)
+    idx = first + torch.arange(n_taps, device=dev, dtype=torch.float32).view(1, 1, -1)  # (N, S, K)
+    pos = idx + 0.5
+    w = _cubic((pos - centers) / support)
+    w = w * ((pos > start.view(-1, 1, 1)) & (pos < (start + length).view(-1, 1, 1)))
+    w = w * (gain / w.sum(dim=-1, keepdim=True).clamp_min(1e-12))
+    out = torch.zeros(n, size_out, size_in, device=dev, dtype=torch.float32)
+    return out.scatter_add_(2, idx.clamp(0, size_in - 1).long(), w)
+
+
+def blur_matrix(sigma: torch.Tensor, apply: torch.Tensor, size: int, radius: int) -> torch.Tensor:
+    """(N, size, size) banded matrices of a 1-D Gaussian blur with per-sample sigma and
+    reflect padding; identity where `apply` is False. Row i holds the weights of output i."""
+    dev = sigma.device
+    radius = max(0, min(radius, size - 1))
+    taps = torch.arange(-radius, radius + 1, device=dev)
+    g = torch.exp(-0.5 * (taps.float().view(1, -1) / sigma.view(-1, 1)) ** 2)
+    g = g / g.sum(dim=1, keepdim=True)
+    delta = (taps == 0).float().view(1, -1)
+    g = torch.where(apply.view(-1, 1), g, delta)
+    idx = torch.arange(size, device=dev).view(-1, 1) + taps.view(1, -1)   # (size, taps)
+    idx = torch.where(idx < 0, -idx, idx)
+    idx = torch.where(idx > size - 1, 2 * (size - 1) - idx, idx)
+    n = sigma.shape[0]
+    out = torch.zeros(n, size, size, device=dev, dtype=torch.float32)
+    return out.scatter_add_(2, idx.expand(n, -1, -1), g.view(n, 1, -1).expand(-1, size, -1))
+
+
+# --------------------------------------------------------------------------- color
+# Images here are (N, S, 3, S) floats in [0, 1]; per-sample parameters are (N,) tensors.
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    """(N, S, 3, S) -> (N, S, 1, S) luma with torchvision's weights."""
+    return torch.add(torch.add(x[:, :, 0:1] * 0.2989, x[:, :, 1:2], alpha=0.587), x[:, :, 2:3], alpha=0.114)
+
+
+def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Rotate the HSV hue by `shift` (N,) turns, keeping HSV's value and saturation
+    (torchvision's adjust_hue). With v = max, chroma C = max - min and the hue h6 in
+    sectors [0, 6), each channel is v - C * clamp(min(k, 4 - k), 0, 1), k = (n + h6) mod 6,
+    n = 5, 3, 1 for R, G, B: the usual HSV -> RGB without materialising s and v."""
+    r, g, b = x[:, :, 0], x[:, :, 1], x[:, :, 2]
+    maxc = torch.maximum(torch.maximum(r, g), b)
+    chroma = maxc - torch.minimum(torch.minimum(r, g), b)
+    safe = torch.where(chroma > 0, chroma, 1.0)
+    h6 = torch.where(maxc == r, g - b, torch.where(maxc == g, (b - r) + 2 * chroma, (r - g) + 4 * chroma)) / safe
+    h6 = h6 + (6.0 * shift).view(-1, 1, 1)
+    out = []
+    for n in (5.0, 3.0, 1.0):
+        k = torch.remainder(h6 + n, 6.0)
+        out.append(maxc - chroma * torch.clamp(torch.minimum(k, 4.0 - k), 0.0, 1.0))
+    return torch.stack(out, dim=2)
+
+
+def _blend_step(x, op, active, factors):
+    """One position of the jitter order: brightness (op 0: blend with black), contrast
+    (1: with the mean gray level) or saturation (2: with the gray image), clamped to
+    [0, 1], for the samples where `active`; identity (factor 1) elsewhere."""
+    f = factors.gather(1, op.clamp(max=2).view(-1, 1)).view(-1, 1, 1, 1)
+    f = torch.where(active.view(-1, 1, 1, 1), f, 1.0)
+    gray = _gray(x)
+    is_con = (op == 1).float().view(-1, 1, 1, 1)
+    is_sat = (op == 2).float().view(-1, 1, 1, 1)
+    ref = torch.addcmul(gray.mean(dim=(1, 2, 3), keepdim=True) * is_con, gray, is_sat)
+    return torch.lerp(ref, x, f).clamp_(0.0, 1.0)
+
+
+def color_jitter(x: torch.Tensor, u: torch.Tensor, strength, prob: float) -> torch.Tensor:
+    """torchvision's ColorJitter under RandomApply(p), per sample, ops in a random order
+    per sample. Hue is the costly op, so it runs once for all samples (shift 0 where not
+    drawn), between the blends drawn before it and those drawn after it."""
+    bri, con, sat, hue = strength
+    apply = u[:, _JIT] < prob
+    ranges = [(max(0.0, 1 - bri), 1 + bri), (max(0.0, 1 - con), 1 + con), (max(0.0, 1 - sat), 1 + sat)]
+    factors = torch.stack([lo + (hi - lo) * u[:, _JFAC + k] for k, (lo, hi) in enumerate(ranges)], dim=1)
+    shift = torch.where(apply, -hue + 2 * hue * u[:, _JFAC + 3], 0.0)
+    order = u[:, _JORD:_JORD + 4].argsort(dim=1)           # order[:, k] = op at position k
+    hue_pos = (order == 3).to(torch.uint8).argmax(dim=1)
+    for k in range(3):  # a blend at position 3 always comes after the hue op
+        op = order[:, k]
+        x = _blend_step(x, op, apply & (op != 3) & (k < hue_pos), factors)
+    if hue > 0:
+        x = adjust_hue(x, shift)
+    for k in range(1, 4):  # position 0 is never after the hue op
+        op = order[:, k]
+        x = _blend_step(x, op, apply & (op != 3) & (k > hue_pos), factors)
+    return x
+
+
+def photometric(x: torch.Tensor, u: torch.Tensor, blur_p: torch.Tensor, sol_p: torch.Tensor,
+                mean: torch.Tensor, inv_std: torch.Tensor, *, jitter, jitter_prob: float,
+                gray_prob: float, sigma, radius: int, threshold: float,
+                normalize: bool) -> torch.Tensor:
+    """Jitter, grayscale, blur, solarize and normalize crops (N, S, 3, S) in [0, 1];
+    returns float32 (N, 3, S, S) (a view of an (N, S, 3, S) tensor). Shapes and Python
+    numbers only: torch.compile fuses it (GpuMultiCrop(compile=True))."""
+    n, size = x.shape[0], x.shape[1]
+    if jitter_prob > 0 and any(jitter):
+        x = color_jitter(x, u, jitter, jitter_prob)
+    gray = (u[:, _GRAY] < gray_prob).view(-1, 1, 1, 1)
+    x = torch.where(gray, _gray(x), x)
+    g = blur_matrix(sigma[0] + (sigma[1] - sigma[0]) * u[:, _SIGMA], u[:, _BLUR] < blur_p, size, radius)
+    x = torch.bmm(g, x.reshape(n, size, 3 * size))                            # along rows
+    x = torch.bmm(x.view(n, 3 * size, size), g.transpose(1, 2)).view(n, size, 3, size)  # columns
+    sol = (u[:, _SOLAR] < sol_p).view(-1, 1, 1, 1)
+    x = torch.where(sol & (x >= threshold), 1.0 - x, x)
+    if normalize:
+        x = (x - mean.view(1, 1, 3, 1)) * inv_std.view(1, 1, 3, 1)
+    return x.permute(0, 2, 1, 3)
+
+
+# --------------------------------------------------------------------------- views
+
+@dataclass(frozen=True)
+class GpuView:
+    size: int
+    scale: tuple[float, float]
+    blur_prob: float
+    solarize_prob: float
+
+
+class GpuMultiCrop:
+    """Batched DINO multi-crop on the device (module doc): uint8 (B, 3, H, W) ->
+    [global_1, global_2, local_1..local_n], each (B, 3, S, S) normalized `out_dtype`.
+
+    The constructor takes crop_plan(cfg)'s keys (global_size, local_size, n_local,
+    global_scale, local_scale) and the normalization; the rest are DINO's defaults.
+    `normalize=False` returns values in [0, 1] (tests, inspection). `compile=True` runs
+    the photometric stage through torch.compile (worth it on a GPU; see bench/NOTES.md).
+    """
+
+    def __init__(self, global_size: int, local_size: int, n_local: int,
+                 global_scale=(0.4, 1.0), local_scale=(0.05, 0.4),
+                 mean=IMAGENET_MEAN, std=IMAGENET_STD, *, ratio=(3 / 4, 4 / 3),
+                 interpolation: str = "bicubic", flip_prob: float = 0.5, jitter=DINO_JITTER,
+                 jitter_prob: float = 0.8, gray_prob: float = 0.2, blur_probs=(1.0, 0.1, 0.5),
+                 blur_sigma=None, blur_kernel: int | None = None, solarize_prob: float = 0.2,
+                 solarize_threshold: int = 128, normalize: bool = True,
+                 out_dtype: torch.dtype = torch.float32, compile: bool = False):
+        if global_size < 1 or local_size < 1 or n_local < 0:
+            raise UserError(f"GpuMultiCrop needs global_size, local_size >= 1 and n_local >= 0 "
+                            f"(got {global_size}, {local_size}, {n_local})")
+        if interpolation not in INTERPOLATIONS:
+            raise UserError(f"interpolation={interpolation!r} is not one of {', '.join(INTERPOLATIONS)}")
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise UserError(f"mean={list(mean)} and std={list(std)} need 3 values each and std > 0")
+        self.global_size, self.local_size, self.n_local = int(global_size), int(local_size), int(n_local)
+        self.views = [GpuView(self.global_size, tuple(global_scale), blur_probs[0], 0.0),
+                      GpuView(self.global_size, tuple(global_scale), blur_probs[1], solarize_prob)]
+        self.views += [GpuView(self.local_size, tuple(local_scale), blur_probs[2], 0.0)] * self.n_local
+        self.ratio = tuple(ratio)
+        self.interpolation = interpolation
+        self.flip_prob, self.jitter, self.jitter_prob = flip_prob, tuple(jitter), jitter_prob
+        self.gray_prob = gray_prob
+        self.blur_sigma = tuple(blur_sigma) if blur_sigma is not None else tuple(
+            s * self.global_size / 224 for s in DINO_SIGMA_AT_224)
+        self.blur_kernel = int(blur_kernel) if blur_kernel else blur_kernel_size(self.global_size)
+        self.solarize_threshold = solarize_threshold / 255.0
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+        self.normalize, self.out_dtype = normalize, out_dtype
+        # torch.compile fuses the ~60 elementwise passes of the photometric stage into a
+        # few kernels (one compile per crop size; the first call pays it).
+        self._compiled = torch.compile(photometric, dynamic=False) if compile else None
+
+    @classmethod
+    def from_plan(cls, plan: dict, data_cfg, **kwargs) -> "GpuMultiCrop":
+        """From ssl.train.crop_plan(cfg) and the data section (mean / std)."""
+        from resmlp.data.transforms import mean_std
+        mean, std = mean_std(data_cfg)
+        keys = ("global_size", "local_size", "n_local", "global_scale", "local_scale")
+        return cls(**{k: plan[k] for k in keys}, mean=mean, std=std, **kwargs)
+
+    @property
+    def n_views(self) -> int:
+        return len(self.views)
+
+    def __repr__(self) -> str:
+        return (f"GpuMultiCrop(2x{self.global_size}px + {self.n_local}x{self.local_size}px, "
+                f"{self.interpolation})")
+
+    # ---- the call -----------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, seed: int, keys: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+            raise UserError(f"GpuMultiCrop wants uint8 images (B, 3, H, W), got {images.dtype} "
+                            f"{tuple(images.shape)}")
+        B, _, H, W = images.shape
+        dev = images.device
+        if keys is None:
+            keys = torch.arange(B, device=dev)
+        elif keys.shape != (B,):
+            raise UserError(f"keys must have shape ({B},), got {tuple(keys.shape)}")
+        u_all = counter_uniforms(seed, keys.to(dev), self.n_views)
+        if self.interpolation == "bicubic":
+            src = images.permute(0, 2, 1, 3).reshape(B, H, 3 * W).float()   # (B, H, 3W)
+        else:
+            src = images.float()                                            # (B, 3, H, W)
+        out: list[torch.Tensor] = []
+        # Views of one size share the photometric pass: globals (2B samples), locals (n*B).
+        for group in ([0, 1], list(range(2, self.n_views))):
+            if not group:
+                continue
+            size = self.views[group[0]].size
+            crops = torch.empty(len(group) * B, size, 3, size, device=dev, dtype=torch.float32)
+            for i, v in enumerate(group):
+                self._crop(src, H, W, u_all[v], self.views[v], crops[i * B:(i + 1) * B])
+            crops.clamp_(0.0, 1.0)  # bicubic overshoot, as PIL's rounding to uint8 clips it
+            u = u_all[group].reshape(-1, _NCOL)
+            blur_p = torch.cat([torch.full((B,), self.views[v].blur_prob, device=dev) for v in group])
+            sol_p = torch.cat([torch.full((B,), self.views[v].solarize_prob, device=dev) for v in group])
+            out.extend(self._photometric(crops, u, blur_p, sol_p).chunk(len(group)))
+        return out
+
+    def _crop(self, src, H, W, u, view: GpuView, out: torch.Tensor) -> None:
+        """Resized crops of one view, flipped where drawn, into out (B, S, 3, S), 0..1."""
+        S = view.size
+        B = u.shape[0]
+        top, left, h, w = crop_boxes(u, H, W, view.scale, self.ratio)
+        flip = u[:, _FLIP] < self.flip_prob
+        if self.interpolation == "bicubic":
+            ry = resample_matrix(top, h, H, S, gain=1 / 255)                # (B, S, H)
+            rx = resample_matrix(left, w, W, S, flip=flip)                  # (B, S, W)
+            rows = torch.bmm(ry, src).view(B, S * 3, W)                     # (B, S, 3W): rows done
+            torch.bmm(rows, rx.transpose(1, 2), out=out.view(B, 3 * S, S))
+            return
+        from torchvision.ops import roi_align
+        boxes = torch.stack([torch.arange(B, device=u.device, dtype=torch.float32),
+                             left, top, left + w, top + h], dim=1)
+        t = roi_align(src, boxes, (S, S), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+        t = torch.where(flip.view(-1, 1, 1, 1), t.flip(-1), t)
+        out.copy_(t.permute(0, 2, 1, 3)).mul_(1 / 255)
+
+    def _photometric(self, x, u, blur_p, sol_p) -> torch.Tensor:
+        """(N, S, 3, S) crops in [0, 1] -> contiguous (N, 3, S, S) out_dtype."""
+        dev = x.device
+        mean = torch.tensor(self.mean, device=dev)
+        inv_std = torch.tensor([1 / s for s in self.std], device=dev)
+        fn = self._compiled if self._compiled is not None else photometric
+        y = fn(x, u, blur_p, sol_p, mean, inv_std, jitter=self.jitter, jitter_prob=self.jitter_prob,
+               gray_prob=self.gray_prob, sigma=self.blur_sigma, radius=self.blur_kernel // 2,
+               threshold=self.solarize_threshold, normalize=self.normalize)
+        return y.to(self.out_dtype).contiguous()  # to() alone would keep the permuted strides
+
+
+# --------------------------------------------------------------------------- loader side
+
+def default_fixed_size(global_size: int) -> int:
+    """The square the loader delivers: the eval resize, global_size / 0.875 (256 at 224)."""
+    return int(round(global_size / 0.875))
+
+
+class _Uint8FixedSize:
+    def __init__(self, size: int):
+        from torchvision.transforms import v2
+        self.size = int(size)
+        self._t = v2.Compose([v2.Resize(self.size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
+                              v2.CenterCrop(self.size), v2.PILToTensor(), v2.ToPureTensor()])
+
+    def __call__(self, img) -> torch.Tensor:
+        return self._t(img)
+
+    def __repr__(self) -> str:
+        return f"uint8_fixed_size({self.size})"
+
+
+def uint8_fixed_size(size: int):
+    """Loader-side transform for GpuMultiCrop: RGB PIL image -> uint8 (3, size, size).
+
+    The shorter side is resized to `size` (PIL bicubic, antialiased) and the centre
+    square cut out, so batches stack with the default collate and cross the bus as
+    bytes. The random crops are then drawn from that square: crop scale is relative to
+    it, and the parts of a non-square image outside it are never seen (DINO crops the
+    whole image). A larger `size` keeps more detail for the small local crops at more
+    transfer and resample cost. If the files are JPEGs, torchvision.io.decode_jpeg(
+    list_of_bytes, device='cuda') could take the decode off the CPU as well (not wired:
+    the datasets here yield decoded PIL images).
+    """
+    if int(size) < 1:
+        raise UserError(f"uint8_fixed_size needs size >= 1, got {size}")
+    return _Uint8FixedSize(size)
+
+
+class KeyedDataset(torch.utils.data.Dataset):
+    """(dataset[index] with `transform`, label, key) for keys `epoch * len + index` as the
+    EpochSampler (resumable.py) yields them. Pass the keys to GpuMultiCrop so that every
+    sample's augmentation depends only on (seed, epoch, index)."""
+
+    def __init__(self, dataset, transform=None):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: int):
+        _, index = divmod(int(key), len(self.dataset))
+        image, label = self.dataset[index]
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, label, int(key)

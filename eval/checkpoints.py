@@ -1,0 +1,394 @@
+"""Any checkpoint -> a frozen feature backbone (and what it is), for every evaluator.
+
+Accepted `spec`s:
+    <run dir>                  this project's run directory (reads <run dir>/checkpoint.pth)
+    <file>                     a torch file holding one of
+        - this project's DINO checkpoint: {'format': 'resmlp-ssl', 'config': {...},
+          'teacher' / 'student': {'backbone.*', 'head.*'}}; `key` picks the network
+        - this project's supervised / fine-tuned checkpoint: {'format': 'resmlp-ssl',
+          'model': full classifier state_dict}; the head is dropped
+        - an official DINO checkpoint: {'teacher' / 'student': {'module.backbone.*', ...}}
+        - a timm or official (facebookresearch/deit) ResMLP state_dict, bare or wrapped
+          in {'model': ...} (DeiT) or {'state_dict': ...}
+    timm:<name>                timm.create_model(name) with its pretrained weights
+    timm:<name>?random         the same architecture with random weights (no download;
+                               for smoke tests and for checking a pipeline)
+
+Project checkpoints carry their config, which names the model; foreign state_dicts do
+not, so the architecture is read off the weights (dim, in_chans and patch size from the
+patch embedding, depth from the block count, the patch grid -> img_size from the
+cross-patch matrix, pooling / norm / cross-patch kind from which keys exist). The
+weights win over a saved config where they disagree: they are what gets evaluated.
+
+The backbone is built with num_classes=0 (forward returns pooled (B, D) features), in
+eval mode. Its state_dict loads into create_model(info['model'], **info['arch'],
+num_classes=C) with only head.* missing: see load_classifier for fine-tuning.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from resmlp.core.checkpoint import FORMAT, load_checkpoint, resolve_checkpoint_path
+from resmlp.core.errors import UserError
+
+DINO_KEYS = ("teacher", "student")
+_WRAPPERS = ("model", "state_dict", "model_ema", "state_dict_ema")
+
+
+# --------------------------------------------------------------------------- hashing
+
+def weights_hash(model_or_sd) -> str:
+    """sha256 (hex, 16 chars) of a state_dict's names, dtypes, shapes and bytes.
+
+    Hashes what is evaluated rather than the file, so a checkpoint re-saved in another
+    format, or the teacher of a run that has not moved, maps to the same feature cache.
+    """
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name]
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- unwrapping
+
+def _is_state_dict(d) -> bool:
+    return isinstance(d, Mapping) and len(d) > 0 and all(
+        isinstance(v, torch.Tensor) for v in d.values())
+
+
+def _strip(sd: Mapping, prefix: str) -> dict:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
+
+
+def _preview(keys, n: int = 5) -> str:
+    keys = list(keys)
+    return ", ".join(map(str, keys[:n])) + (", ..." if len(keys) > n else "")
+
+
+def unwrap(obj: dict, key: str = "teacher", path: str = "") -> tuple[dict, dict]:
+    """(plain state_dict of the network to evaluate, info about where it came from)."""
+    if key not in DINO_KEYS:
+        raise UserError(f"knn.key={key!r} must be teacher or student")
+    ours = obj.get("format") == FORMAT
+    info: dict = {"config": obj.get("config") if ours and isinstance(obj.get("config"), Mapping) else None,
+                  "command": obj.get("command") if ours else None,
+                  "epoch": obj.get("epoch") if isinstance(obj.get("epoch"), int) else None,
+                  "key": None}
+    if any(k in obj and isinstance(obj[k], Mapping) for k in DINO_KEYS):
+        if not isinstance(obj.get(key), Mapping):
+            have = [k for k in DINO_KEYS if isinstance(obj.get(k), Mapping)]
+            raise UserError(f"{path} has no {key!r} network (it has {', '.join(have)}); "
+                            f"use key={have[0]}")
+        sd = _strip(obj[key], "module.")
+        info.update(source="dino" if ours else "dino-official", key=key)
+        if not any(k.startswith("backbone.") for k in sd):
+            raise UserError(f"{path}: the {key!r} state_dict has no backbone.* keys "
+                            f"(keys: {_preview(sd)}); is it a DINO checkpoint?")
+        sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
+        return sd, info
+    for w in _WRAPPERS:
+        if w in obj and _is_state_dict(obj[w]):
+            info["source"] = ("supervised" if ours else f"state_dict['{w}']")
+            if ours and info["command"]:
+                info["source"] = str(info["command"])
+            return _strip(obj[w], "module."), info
+    if _is_state_dict(obj):
+        info["source"] = "state_dict"
+        return _strip(obj, "module."), info
+    raise UserError(f"{path} holds no model weights (top-level keys: {_preview(obj)}); pass a "
+                    "checkpoint of this project, an official DINO checkpoint or a ResMLP state_dict")
+
+
+# --------------------------------------------------------------------------- architecture
+
+def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) -> tuple[str, dict]:
+    """(model name, create_model overrides) for a state_dict in this project's keys.
+
+    config_model: the saved config's `model` section, if any (name and the options the
+    weights cannot show, e.g. grid_adapt). img_size: the size to use when the weights do
+    not fix it (conv / no cross-patch variants with average pooling).
+    """
+    from resmlp.models import ARCHS, OVERRIDE_KEYS
+
+    w = sd.get("patch_embed.proj.weight")
+    if w is None or w.dim() != 4:
+        raise UserError(f"not a ResMLP state_dict: no patch embedding weight (keys: {_preview(sd)})")
+    cfgm = dict(config_model or {})
+    arch = {k: cfgm[k] for k in OVERRIDE_KEYS if k in cfgm and cfgm[k] is not None}
+    arch.pop("drop_path_rate", None)   # training-only; eval mode ignores it anyway
+    arch.pop("num_classes", None)
+    dim, in_chans, p = int(w.shape[0]), int(w.shape[1]), int(w.shape[2])
+    blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
+    if not blocks:
+        raise UserError(f"not a ResMLP state_dict: no blocks.* keys (keys: {_preview(sd)})")
+    arch.update(dim=dim, in_chans=in_chans, patch_size=p, depth=max(blocks) + 1)
+    fc1 = sd.get("blocks.0.mlp.fc1.weight")
+    if fc1 is not None:
+        arch["mlp_ratio"] = fc1.shape[0] / dim
+    arch["norm"] = "layernorm" if "norm.weight" in sd else "affine"
+    arch["pooling"] = "class_mlp" if any(k.startswith("pool.") for k in sd) else "avg"
+
+    n = None
+    cp = {k[len("blocks.0.cross_patch."):]: v for k, v in sd.items() if k.startswith("blocks.0.cross_patch.")}
+    if "weight" in cp and cp["weight"].dim() == 2:
+        arch["cross_patch"], n = "linear", int(cp["weight"].shape[0])
+    elif "fc1.weight" in cp:
+        arch["cross_patch"], n = "mlp", int(cp["fc1.weight"].shape[1])
+    elif "conv.weight" in cp:
+        depthwise = cp["conv.weight"].shape[1] == 1 and dim > 1
+        arch["cross_patch"] = ("dwsep3x3" if "pointwise.weight" in cp else "dwconv3x3") if depthwise else "conv3x3"
+    elif not cp:
+        arch["cross_patch"] = "none"
+    if n is None and "pool.layers.0.mix.weight" in sd:
+        n = int(sd["pool.layers.0.mix.weight"].shape[1]) - 1
+
+    given = arch.get("img_size", img_size)
+    if n is not None:
+        hw = None
+        if given is not None:
+            g = (given, given) if isinstance(given, int) else tuple(given)
+            if (g[0] // p) * (g[1] // p) == n and g[0] % p == 0 and g[1] % p == 0:
+                hw = given
+        if hw is None:
+            side = math.isqrt(n)
+            if side * side != n:
+                raise UserError(f"cannot tell the patch grid of a cross-patch layer over {n} patches "
+                                "(not square); use a checkpoint that carries its config")
+            hw = side * p
+        arch["img_size"] = hw
+    elif given is not None:
+        arch["img_size"] = given
+
+    name = cfgm.get("name")
+    if name not in ARCHS:
+        name = next((a for a, spec in ARCHS.items() if spec["dim"] == dim and spec["depth"] == arch["depth"]),
+                    "resmlp_s12")
+    if isinstance(arch.get("img_size"), (list, tuple)):
+        arch["img_size"] = [int(v) for v in arch["img_size"]]
+    return name, arch
+
+
+# --------------------------------------------------------------------------- loading
+
+def _head_classes(sd: Mapping) -> int | None:
+    w = sd.get("head.weight")
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _online(host: str = "huggingface.co", port: int = 443, timeout: float = 2.0) -> bool:
+    import socket
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _hub_offline_if_unreachable(pretrained: bool):
+    """Offline machine: let huggingface_hub serve only its local cache for the duration, so a
+    missing file fails at once instead of after a minute of retries."""
+    if not pretrained or _online():
+        yield
+        return
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        yield
+        return
+    old = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = old
+
+
+def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None):
+    import timm
+    import resmlp.models  # noqa: F401 - registers this project's names with timm too
+
+    name, _, flag = spec[len("timm:"):].partition("?")
+    if flag not in ("", "random", "pretrained"):
+        raise UserError(f"{spec}: unknown flag ?{flag}; use timm:<name> or timm:<name>?random")
+    if flag:
+        pretrained = flag == "pretrained"
+    if not name or not timm.is_model(name):
+        raise UserError(f"timm has no model {name!r}; see timm.list_models('*resmlp*')")
+    kwargs = {"num_classes": 0}
+    if in_chans is not None:
+        kwargs["in_chans"] = int(in_chans)
+    if img_size is not None and not pretrained:
+        kwargs["img_size"] = img_size   # random weights: build for the data's size
+    try:
+        # random weights are seeded: the same spec gives the same weights (and cache key)
+        with torch.random.fork_rng(devices=[]), _hub_offline_if_unreachable(pretrained):
+            torch.manual_seed(0)
+            try:
+                model = timm.create_model(name, pretrained=pretrained, **kwargs)
+            except TypeError:  # an architecture without an img_size argument
+                kwargs.pop("img_size", None)
+                model = timm.create_model(name, pretrained=pretrained, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no network, no cached file, wrong size, ...
+        if not pretrained:
+            raise
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        first = first if len(first) <= 120 else first[:117] + "..."
+        raise UserError(f"cannot get pretrained weights for timm:{name} ({type(e).__name__}: {first}); "
+                        f"this machine may be offline: pass a local checkpoint file, or "
+                        f"timm:{name}?random for random weights") from None
+    info = {"source": "timm", "spec": spec, "path": None, "run_dir": None, "model": name,
+            "arch": {}, "config": None, "key": None, "epoch": None, "pretrained": pretrained,
+            "head_num_classes": None, "is_resmlp": False, "cross_patch": None}
+    return model, info
+
+
+def load_backbone(spec, key: str = "teacher", device="cpu", pretrained: bool = True,
+                  img_size=None, in_chans=None) -> tuple[nn.Module, dict]:
+    """(feature backbone in eval mode on `device`, info dict) for any accepted `spec`.
+
+    key: 'teacher' | 'student', for DINO checkpoints (ignored otherwise).
+    pretrained: for timm:<name> without a ?flag: request timm's pretrained weights
+      (a clear UserError if they cannot be had offline).
+    img_size / in_chans: only used where the checkpoint does not fix them (timm ?random
+      models are built for them; conv-variant state_dicts without a config).
+    info: source ('dino', 'dino-official', 'supervised'/<command>, 'state_dict',
+      "state_dict['model']", 'timm'), spec, path, run_dir (this project's run dir or
+      None), model (name), arch (create_model overrides), config (saved config or None),
+      key, epoch, weights_hash, head_num_classes (the saved classifier's, if any),
+      is_resmlp, cross_patch (kind, None for timm models), num_features.
+    """
+    spec = str(spec)
+    if spec.startswith("timm:"):
+        model, info = _timm_backbone(spec, pretrained, img_size, in_chans)
+    else:
+        model, info = _load_file(spec, key, img_size)
+    model.eval().requires_grad_(False)
+    info["weights_hash"] = weights_hash(model)
+    info["num_features"] = int(getattr(model, "num_features", 0)) or None
+    return model.to(device), info
+
+
+def _load_file(spec: str, key: str, img_size=None):
+    from resmlp.models import ARCHS, convert_state_dict, create_model, load_pretrained
+
+    path = resolve_checkpoint_path(spec)
+    obj = load_checkpoint(path)
+    sd, info = unwrap(obj, key, str(path))
+    ours = obj.get("format") == FORMAT
+    info.update(spec=spec, path=str(path), run_dir=str(path.parent) if ours else None, pretrained=None)
+    cfg_model = (info["config"] or {}).get("model") or {}
+    if cfg_model.get("name") and cfg_model["name"] not in ARCHS:
+        return _load_timm_arch(sd, cfg_model, info, path)
+    sd = convert_state_dict(sd)
+    head = _head_classes(sd)
+    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+    name, arch = infer_arch(sd, cfg_model, img_size)
+    model = create_model(name, **arch, num_classes=0)
+    try:
+        load_pretrained(model, sd, strict=True, ignore_head=True)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    info.update(model=name, arch=arch, head_num_classes=head, is_resmlp=True,
+                cross_patch=arch.get("cross_patch", "linear"))
+    return model, info
+
+
+def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: Path):
+    """A project checkpoint of a timm architecture (the supervised command trains any)."""
+    import timm
+
+    name = cfg_model["name"]
+    if not timm.is_model(name):
+        raise UserError(f"{path}: its config names model {name!r}, which is neither a ResMLP of "
+                        "this project nor a timm model")
+    kwargs = {"num_classes": 0}
+    if cfg_model.get("img_size"):
+        kwargs["img_size"] = cfg_model["img_size"]
+    try:
+        model = timm.create_model(name, **kwargs)
+    except TypeError:
+        kwargs.pop("img_size")
+        model = timm.create_model(name, **kwargs)
+    own = model.state_dict()
+    head_prefix = str(getattr(model, "pretrained_cfg", {}).get("classifier", "head")) + "."
+    head = {k: v for k, v in sd.items() if k.startswith(head_prefix) and k not in own}
+    sd = {k: v for k, v in sd.items() if k not in head}
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    mismatched = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+    if missing or unexpected or mismatched:
+        raise UserError(f"{path}: checkpoint does not fit timm {name}: {len(missing)} missing "
+                        f"({_preview(missing, 3)}), {len(unexpected)} unexpected ({_preview(unexpected, 3)}), "
+                        f"{len(mismatched)} shape-mismatched ({_preview(mismatched, 3)})")
+    model.load_state_dict(sd)
+    w = head.get(head_prefix + "weight")
+    info.update(model=name, arch={}, is_resmlp=False, cross_patch=None, source=f"{info['source']} (timm)",
+                head_num_classes=int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
+    return model, info
+
+
+def load_classifier(spec, num_classes: int, key: str = "teacher", device="cpu",
+                    keep_head: bool = True, **overrides) -> tuple[nn.Module, dict]:
+    """A ResMLP classifier with `num_classes` outputs initialised from `spec` (fine-tuning).
+
+    The backbone weights come from load_backbone; the head is the checkpoint's when it
+    has one of the same size and keep_head, else freshly initialised (info['head']:
+    'loaded' | 'new'). overrides go to create_model (e.g. drop_path_rate=0.1). Returns
+    the model in train mode with gradients on.
+    """
+    from resmlp.models import create_model
+
+    backbone, info = load_backbone(spec, key=key, device="cpu")
+    if not info["is_resmlp"]:
+        raise UserError(f"{spec} is a timm model; fine-tune it with the supervised command instead")
+    model = create_model(info["model"], **{**info["arch"], **overrides}, num_classes=num_classes)
+    missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("head.") for k in missing), (missing, unexpected)
+    info["head"] = "new"
+    if keep_head and info["head_num_classes"] == num_classes and info["path"]:
+        from resmlp.models import convert_state_dict
+        sd, _ = unwrap(load_checkpoint(info["path"]), key, info["path"])
+        sd = convert_state_dict(sd)
+        head = {k[len("head."):]: v for k, v in sd.items() if k.startswith("head.")}
+        if isinstance(model.head, nn.Linear) and head:
+            model.head.load_state_dict(head)
+            info["head"] = "loaded"
+    return model.train().requires_grad_(True).to(device), info
+
+
+def describe(info: Mapping) -> str:
+    """One line for reports: what was loaded."""
+    bits = [info.get("model", "?"), f"from {info.get('source')}"]
+    if info.get("key"):
+        bits.append(f"({info['key']})")
+    if info.get("epoch") is not None:
+        bits.append(f"epoch {info['epoch']}")
+    bits.append(f"weights {info.get('weights_hash')}")
+    return " ".join(str(b) for b in bits)
+
+
+def run_dir_of(info: Mapping) -> Path | None:
+    """This project's run directory of a loaded checkpoint, else None."""
+    rd = info.get("run_dir")
+    return Path(rd) if rd else None
+
+
+__all__ = ["load_backbone", "load_classifier", "infer_arch", "unwrap", "weights_hash", "describe",
+           "run_dir_of"]

@@ -1,0 +1,355 @@
+"""The paper's figures for a checkpoint: `bash run.sh viz <ckpt | run dir | timm:<name>>`.
+
+cross_patch.png (paper Fig. 2 / B.1): for every block, the rows of its cross-patch
+  matrix A (N x N over the h x w patch grid) that belong to the central c x c patches,
+  each row drawn as an h x w image at the place of its patch: one panel per layer.
+  Each small image is scaled to its own max |w| (red > 0, blue < 0), so the shape of
+  every row is visible whatever its magnitude. c = viz.central, by default 6 on grids
+  of 12 x 12 or more (the paper: 6 of 14), else half the grid side (4 of 8).
+sparsity.png (paper Fig. 3 / B.2): per layer, the fraction of weights with |w| below
+  viz.threshold (5%) of their matrix's max |w|: for A, and for the channel MLP (the
+  paper's "MLP: D->4D->D", fc1 and fc2 weights pooled, each thresholded against its
+  own max); fc1 and fc2 separately are in viz.json. Weights only, no biases.
+curves.png: training curves from the run dir's log.jsonl, when there is one: loss and
+  lr over iterations (lines with "iteration"/"loss"/"lr"), k-NN top-1 (and linear
+  top-1) over epochs (lines with "epoch" and "knn_top1" / "linear_top1"). Missing keys
+  and unreadable lines are skipped.
+viz.json: the numbers behind the figures. Everything goes to cfg.out, else
+<run dir>/viz/ (beside a foreign checkpoint file: <its folder>/viz/; timm:<name>:
+runs/eval/<name>/viz/).
+
+Figures are drawn with matplotlib's Agg canvas directly (no pyplot state, no display).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from resmlp.core.errors import UserError
+
+FIGURES = ("cross_patch", "sparsity", "curves")
+THRESHOLD = 0.05
+
+
+# --------------------------------------------------------------------------- weights
+
+def as_resmlp(model: nn.Module, info: dict) -> nn.Module:
+    """This project's ResMLP for `model`: itself, or a timm resmlp converted (same weights)."""
+    from resmlp.models import ResMLP
+    if isinstance(model, ResMLP):
+        return model
+    from resmlp.eval.checkpoints import infer_arch
+    from resmlp.models import convert_state_dict, create_model, load_pretrained
+    try:
+        sd = convert_state_dict(model.state_dict())
+        name, arch = infer_arch(sd)
+        ours = create_model(name, **arch, num_classes=0)
+        load_pretrained(ours, sd, strict=True, ignore_head=True)
+        return ours
+    except UserError:
+        raise UserError(f"{info.get('spec')} ({type(model).__name__}) is not a ResMLP: the viz figures "
+                        "need a ResMLP (this project's, or a timm/official resmlp state_dict)") from None
+
+
+def cross_patch_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """A (N x N) of every block, or a UserError if the blocks have no linear cross-patch layer."""
+    from resmlp.models import CrossPatchLinear
+    mats = []
+    for i, blk in enumerate(model.blocks):
+        cp = blk.cross_patch
+        if not isinstance(cp, CrossPatchLinear):
+            kind = getattr(model, "cross_patch_kind", type(cp).__name__)
+            raise UserError(f"block {i} has cross_patch={kind}, not the linear patch-interaction matrix A "
+                            "the paper's figure shows; use viz.figures=[sparsity,curves] for this model")
+        mats.append(cp.weight.detach().float().cpu())
+    return mats
+
+
+def small_fraction(w: torch.Tensor, threshold: float = THRESHOLD) -> tuple[int, int]:
+    """(number of entries with |w| < threshold * max|w|, number of entries)."""
+    a = w.detach().abs().float()
+    m = a.max()
+    if m == 0:
+        return a.numel(), a.numel()
+    return int((a < threshold * m).sum()), a.numel()
+
+
+def sparsity(model: nn.Module, threshold: float = THRESHOLD) -> dict:
+    """Per-layer fractions of "small" weights: {'A', 'mlp', 'fc1', 'fc2'} -> lists (A: None
+    where a block has no linear cross-patch layer)."""
+    from resmlp.models import CrossPatchLinear
+    out = {"A": [], "mlp": [], "fc1": [], "fc2": []}
+    for blk in model.blocks:
+        cp = blk.cross_patch
+        if isinstance(cp, CrossPatchLinear):
+            s, n = small_fraction(cp.weight, threshold)
+            out["A"].append(s / n)
+        else:
+            out["A"].append(None)
+        s1, n1 = small_fraction(blk.mlp.fc1.weight, threshold)
+        s2, n2 = small_fraction(blk.mlp.fc2.weight, threshold)
+        out["fc1"].append(s1 / n1)
+        out["fc2"].append(s2 / n2)
+        out["mlp"].append((s1 + s2) / (n1 + n2))
+    return out
+
+
+def default_central(grid: tuple[int, int]) -> int:
+    side = min(grid)
+    return 6 if side >= 12 else max(1, side // 2)
+
+
+def central_rows(a: torch.Tensor, grid: tuple[int, int], c: int) -> np.ndarray:
+    """(c, c, h, w): row of A of each of the central c x c patches, as an h x w image."""
+    h, w = grid
+    top, left = (h - c) // 2, (w - c) // 2
+    out = np.zeros((c, c, h, w), dtype=np.float32)
+    for i in range(c):
+        for j in range(c):
+            out[i, j] = a[(top + i) * w + (left + j)].reshape(h, w).numpy()
+    return out
+
+
+def mosaic(rows: np.ndarray) -> np.ndarray:
+    """(c, c, h, w) -> one image with 1-pixel NaN gaps; each tile scaled to max |w| = 1."""
+    c, _, h, w = rows.shape
+    img = np.full((c * (h + 1) - 1, c * (w + 1) - 1), np.nan, dtype=np.float32)
+    for i in range(c):
+        for j in range(c):
+            tile = rows[i, j]
+            m = np.abs(tile).max()
+            img[i * (h + 1):i * (h + 1) + h, j * (w + 1):j * (w + 1) + w] = tile / m if m > 0 else tile
+    return img
+
+
+# --------------------------------------------------------------------------- log.jsonl
+
+def read_log(path: Path) -> tuple[list[dict], int]:
+    """JSON object lines of a log.jsonl, and how many lines could not be read."""
+    rows, bad = [], 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(obj, dict):
+            rows.append(obj)
+        else:
+            bad += 1
+    return rows, bad
+
+
+def _num(v):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def curve_series(rows: list[dict]) -> dict:
+    """{'loss': [(x, y)], 'lr': ..., 'knn_top1': [(epoch, y)], 'linear_top1': ..., 'x': label}.
+
+    Training values are plotted over "iteration" when the log has it (lines without it
+    are then left out rather than mixed in on another scale), else over "epoch"; eval
+    values over "epoch". Sorted by x; keys with no points are left out.
+    """
+    by_iter = any(_num(r.get("iteration")) is not None for r in rows)
+    xkey = "iteration" if by_iter else "epoch"
+    series: dict[str, list] = {"loss": [], "lr": [], "knn_top1": [], "linear_top1": []}
+    for r in rows:
+        x_tr, x_ep = _num(r.get(xkey)), _num(r.get("epoch"))
+        for key in ("loss", "lr"):
+            y = _num(r.get(key))
+            if y is not None and x_tr is not None:
+                series[key].append((x_tr, y))
+        for key in ("knn_top1", "linear_top1"):
+            y = _num(r.get(key))
+            if y is not None and x_ep is not None:
+                series[key].append((x_ep, y))
+    out = {k: sorted(v) for k, v in series.items() if v}
+    if out:
+        out["x"] = xkey
+    return out
+
+
+# --------------------------------------------------------------------------- drawing
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(w, h))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def draw_cross_patch(mats: list[torch.Tensor], grid: tuple[int, int], c: int, path: Path,
+                     title: str, dpi: int = 150) -> None:
+    import matplotlib
+    n = len(mats)
+    ncols = min(n, 6)
+    nrows = math.ceil(n / ncols)
+    fig = _figure(max(2.2 * ncols, 6.0), 2.35 * nrows + 0.7)
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="white")
+    for i, a in enumerate(mats):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        ax.imshow(mosaic(central_rows(a, grid, c)), cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
+        ax.set_title(f"layer {i + 1}", fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
+
+def draw_sparsity(sp: dict, path: Path, title: str, threshold: float, dpi: int = 150) -> None:
+    fig = _figure(5.5, 3.8)
+    ax = fig.add_subplot(1, 1, 1)
+    layers = np.arange(1, len(sp["mlp"]) + 1)
+    if any(v is not None for v in sp["A"]):
+        ax.plot(layers, [np.nan if v is None else 100 * v for v in sp["A"]], "o-", label="Linear: N->N (A)")
+    ax.plot(layers, [100 * v for v in sp["mlp"]], "s-", label="MLP: D->4D->D (fc1+fc2)")
+    ax.plot(layers, [100 * v for v in sp["fc1"]], ":", color="gray", label="fc1 / fc2 alone")
+    ax.plot(layers, [100 * v for v in sp["fc2"]], ":", color="gray")
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f'% of "small" components (|w| < {100 * threshold:g}% of max)')
+    ax.set_ylim(0, 100)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
+
+def draw_curves(series: dict, path: Path, title: str, dpi: int = 150) -> None:
+    panels = [k for k in ("loss", "lr") if k in series]
+    evals = [k for k in ("knn_top1", "linear_top1") if k in series]
+    n = len(panels) + (1 if evals else 0)
+    fig = _figure(4.2 * n, 3.4)
+    for i, key in enumerate(panels):
+        ax = fig.add_subplot(1, n, i + 1)
+        x, y = zip(*series[key])
+        ax.plot(x, y, lw=1)
+        ax.set_xlabel(series["x"])
+        ax.set_ylabel(key)
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax.grid(alpha=0.3)
+    if evals:
+        ax = fig.add_subplot(1, n, n)
+        for key in evals:
+            x, y = zip(*series[key])
+            ax.plot(x, y, "o-", label=key.replace("_top1", " top-1"))
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("accuracy (%)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
+
+# --------------------------------------------------------------------------- command
+
+def find_log(info: dict) -> Path | None:
+    """log.jsonl in the checkpoint's run dir (or beside a checkpoint file)."""
+    for d in (info.get("run_dir"), Path(info["path"]).parent if info.get("path") else None):
+        if d and (Path(d) / "log.jsonl").is_file():
+            return Path(d) / "log.jsonl"
+    return None
+
+
+def _figures(value) -> list[str]:
+    from resmlp.core.config import as_list
+    figs = [str(f) for f in as_list(value)]
+    bad = [f for f in figs if f not in FIGURES]
+    if bad or not figs:
+        raise UserError(f"viz.figures={value!r}: choose among {', '.join(FIGURES)}")
+    return figs
+
+
+def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, central=None,
+                 threshold: float = THRESHOLD, dpi: int = 150, log=print) -> dict:
+    """Draw the requested figures of `model` into out_dir; return viz.json's content."""
+    from resmlp.eval.checkpoints import describe
+    from resmlp.eval.command import write_json
+
+    if not 0 < threshold < 1:
+        raise UserError(f"viz.threshold={threshold} must be between 0 and 1 (the paper uses 0.05)")
+    out_dir = Path(out_dir)
+    label = f"{info.get('model')} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
+    result: dict = {"checkpoint": describe(info), "files": [], "notes": []}
+    needs_model = [f for f in figures if f in ("cross_patch", "sparsity")]
+    if needs_model:
+        model = as_resmlp(model, info)
+    mats = cross_patch_matrices(model) if "cross_patch" in figures else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if "cross_patch" in figures:
+        grid = tuple(model.grid_size)
+        c = default_central(grid) if central is None else int(central)
+        if not 1 <= c <= min(grid):
+            raise UserError(f"viz.central={central} must be between 1 and {min(grid)} (the {grid[0]}x{grid[1]} patch grid)")
+        path = out_dir / "cross_patch.png"
+        draw_cross_patch(mats, grid, c, path,
+                         f"{label}\nrows of A for the central {c}x{c} patches, "
+                         f"each as a {grid[0]}x{grid[1]} image (scaled to its max |w|)", dpi)
+        result["cross_patch"] = {"grid": list(grid), "central": c, "layers": len(mats),
+                                 "row_sum_mean": [float(a.sum(1).mean()) for a in mats],
+                                 "self_weight_mean": [float(a.diagonal().mean()) for a in mats]}
+        result["files"].append(path.name)
+    if "sparsity" in figures:
+        sp = sparsity(model, threshold)
+        path = out_dir / "sparsity.png"
+        draw_sparsity(sp, path, f"{label}: sparsity per layer", threshold, dpi)
+        result["sparsity"] = {"threshold": threshold, **sp,
+                              "definition": "fraction of weights with |w| < threshold * max|w| of "
+                                            "their matrix; mlp pools fc1 and fc2 (each against its own max)"}
+        result["files"].append(path.name)
+    if "curves" in figures:
+        log_path = find_log(info)
+        if log_path is None:
+            result["notes"].append("no log.jsonl beside the checkpoint: no training curves")
+        else:
+            rows, bad = read_log(log_path)
+            series = curve_series(rows)
+            result["curves"] = {"log": str(log_path), "lines": len(rows), "unreadable_lines": bad,
+                                **{k: {"points": len(v), "last": v[-1][1]} for k, v in series.items()
+                                   if k != "x"}}
+            if series:
+                path = out_dir / "curves.png"
+                draw_curves(series, path, f"{label}: training curves", dpi)
+                result["files"].append(path.name)
+            else:
+                result["notes"].append(f"{log_path} has no loss / lr / knn_top1 values: no curves")
+    result["files"].append("viz.json")
+    write_json(out_dir / "viz.json", result)
+    if log:
+        for note in result["notes"]:
+            log(f"viz: {note}")
+        log(f"viz: wrote {', '.join(result['files'])} to {out_dir}")
+    return result
+
+
+def run(cfg) -> int:
+    """bash run.sh viz <ckpt | run dir | timm:<name>> [viz.central=4] [viz.figures=[...]]"""
+    from resmlp.core import dist
+    from resmlp.eval.checkpoints import load_backbone
+    from resmlp.eval.command import output_dir, select
+
+    if not dist.is_main():  # nothing to share: one process draws
+        return 0
+    figures = _figures(select(cfg, "viz.figures", list(FIGURES)))
+    model, info = load_backbone(select(cfg, "checkpoint"), key=select(cfg, "knn.key", "teacher"),
+                                device="cpu", pretrained=bool(select(cfg, "features.pretrained", True)),
+                                img_size=select(cfg, "data.img_size"))
+    out = Path(select(cfg, "out")) if select(cfg, "out") else output_dir(cfg, info, "viz")
+    make_figures(model, info, out, figures, select(cfg, "viz.central"),
+                 float(select(cfg, "viz.threshold", THRESHOLD)), int(select(cfg, "viz.dpi", 150)))
+    return 0

@@ -1,0 +1,32 @@
+"""Build a model from a config's `model:` section: our ResMLPs, or any timm model."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from resmlp.core.errors import UserError
+
+# Keys of `model:` that only our ResMLP builders understand; timm models get the rest.
+TIMM_KEYS = ("img_size", "drop_path_rate", "in_chans")
+
+
+def model_kwargs(model_cfg) -> dict:
+    """The create_model overrides in a `model:` section (unset keys left to the builder)."""
+    return {k: v for k, v in dict(model_cfg).items() if k != "name" and v is not None}
+
+
+def build_model(model_cfg, num_classes: int = 0) -> nn.Module:
+    """num_classes=0 gives the backbone: forward returns pooled features."""
+    from resmlp.models import create_model, list_models
+    name = model_cfg.name
+    kwargs = model_kwargs(model_cfg)
+    if name in list_models():
+        return create_model(name, num_classes=num_classes, **kwargs)
+    import timm
+    if not timm.is_model(name):
+        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(list_models())} or a timm model")
+    timm_kwargs = {k: v for k, v in kwargs.items() if k in TIMM_KEYS}
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **timm_kwargs)
+    except TypeError:  # e.g. a convnet has no img_size
+        timm_kwargs.pop("img_size", None)
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **timm_kwargs)

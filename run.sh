@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The one entry point: bash run.sh <command> [model | checkpoint] [key=value ...]
+#   bash run.sh help            lists the commands and models
+#   bash run.sh test            runs the test suite (what CI runs)
+# Python environment, in this order: $RESMLP_PYTHON; an active virtualenv or conda env;
+# a python3 that already imports torch, torchvision, timm, omegaconf and lightly (a
+# cluster's own torch); else ./.venv, created on first use and re-installed only when
+# requirements.txt or pyproject.toml change.
+# Several GPUs or nodes: NPROC_PER_NODE=8 [NNODES=2 NODE_RANK=0 MASTER_ADDR=... MASTER_PORT=...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+
+say() { echo "run.sh: $*" >&2; }
+
+deps_import() { "$1" -c "import torch, torchvision, timm, omegaconf, lightly" >/dev/null 2>&1; }
+
+venv_python() {
+  local venv="$ROOT/.venv" stamp
+  stamp="$(cat requirements.txt pyproject.toml | sha256sum | cut -c1-16)"
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv (first use)"
+    python3 -m venv "$venv" || { say "could not create a virtualenv: install python3-venv, or activate an environment with torch"; exit 2; }
+  fi
+  if [ "$(cat "$venv/.resmlp-stamp" 2>/dev/null)" != "$stamp" ]; then
+    say "installing requirements into $venv (only when requirements.txt or pyproject.toml change)"
+    "$venv/bin/python" -m pip install -q --upgrade pip >&2
+    "$venv/bin/python" -m pip install -q -r requirements.txt >&2
+    "$venv/bin/python" -m pip install -q --no-deps -e . >&2
+    echo "$stamp" > "$venv/.resmlp-stamp"
+  fi
+  PY="$venv/bin/python"
+}
+
+# An environment we did not build may lack this package: make `resmlp.*` importable
+# without pip by a folder of links that mirrors pyproject.toml's package-dir map.
+link_package() {
+  "$PY" -c "import resmlp.core" >/dev/null 2>&1 && return
+  local shim="$ROOT/.resmlp_path/resmlp"
+  mkdir -p "$shim"
+  for pair in core:core models:models data:data ssl:ssl eval:eval supervised:supervised bench:bench; do
+    ln -sfn "$ROOT/${pair#*:}" "$shim/${pair%%:*}"
+  done
+  export PYTHONPATH="$ROOT/.resmlp_path${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+choose_python() {
+  if [ -n "${RESMLP_PYTHON:-}" ]; then PY="$RESMLP_PYTHON"
+  elif [ -n "${VIRTUAL_ENV:-}" ] && [ "$VIRTUAL_ENV" != "$ROOT/.venv" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then PY="$VIRTUAL_ENV/bin/python"
+  elif [ -n "${CONDA_PREFIX:-}" ] && [ -x "$CONDA_PREFIX/bin/python" ]; then PY="$CONDA_PREFIX/bin/python"
+  elif command -v python3 >/dev/null && deps_import python3; then PY="$(command -v python3)"
+  else venv_python; return
+  fi
+  deps_import "$PY" || { say "$PY lacks torch/torchvision/timm/omegaconf/lightly: pip install -r requirements.txt there, or deactivate it to let run.sh build .venv"; exit 2; }
+  link_package
+}
+
+# The default dataset: when it is nowhere and we may install packages, install Debian's copy.
+ensure_fashion_mnist() {
+  case "$*" in *data=*|*data.root=*) return ;; esac
+  [ -d /usr/share/datasets/fashion-mnist ] && return
+  [ -d "${RESMLP_DATA_DIR:-$HOME/.cache/resmlp/datasets}/FashionMNIST" ] && return
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "Fashion-MNIST not found: installing Debian's dataset-fashion-mnist"
+    { apt-get install -y -q dataset-fashion-mnist || { apt-get update -q && apt-get install -y -q dataset-fashion-mnist; }; } >&2 \
+      || say "could not install dataset-fashion-mnist; the command will say how else to provide the data"
+  fi
+}
+
+cmd="${1:-help}"
+case "$cmd" in
+  help|-h|--help) choose_python; exec "$PY" -m resmlp.core.cli help ;;
+  test)
+    shift; choose_python
+    ensure_fashion_mnist
+    set +e; "$PY" -m pytest tests -q "$@"; rc=$?; set -e
+    [ "$rc" = 5 ] && { say "pytest collected no tests"; exit 1; }
+    exit "$rc" ;;
+esac
+
+choose_python
+case "$cmd" in dino|knn|linear|viz|supervised|distill|finetune|compare|data) ensure_fashion_mnist "$@" ;; esac
+
+NPROC="${NPROC_PER_NODE:-1}"; NNODES="${NNODES:-1}"
+if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
+  exec "$PY" -m torch.distributed.run --nproc_per_node="$NPROC" --nnodes="$NNODES" \
+    --node_rank="${NODE_RANK:-0}" --master_addr="${MASTER_ADDR:-127.0.0.1}" \
+    --master_port="${MASTER_PORT:-29500}" -m resmlp.core.cli "$@"
+fi
+exec "$PY" -m resmlp.core.cli "$@"

@@ -1,0 +1,161 @@
+"""DeiT distillation (Touvron et al. 2021): the loss and the teacher.
+
+Hard distillation (DeiT's best, and the paper's ResMLP "distillation" rows):
+
+    loss = (1 - alpha) * CE(student, targets) + alpha * CE(student, argmax teacher(x))
+
+with alpha = 0.5, on the same augmented (and, with mixup, the same mixed) images; the
+label term uses the soft mixed targets when mixup is on. The student has a single head,
+as the official distilled ResMLP weights (DeiT's distillation token has no counterpart
+in an MLP without tokens).
+
+Soft distillation (`distill.type=soft`), DeiT's formula:
+
+    KL(log_softmax(s / tau) || log_softmax(t / tau)), summed, * tau^2 / s.numel()
+
+(DeiT divides by the number of logits, batch x classes, not by the batch).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from resmlp.core.checkpoint import FORMAT, load_checkpoint, resolve_checkpoint_path
+from resmlp.core.errors import UserError
+
+KINDS = ("hard", "soft")
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                      kind: str = "hard", alpha: float = 0.5, tau: float = 1.0,
+                      base_criterion=None) -> torch.Tensor:
+    """(1 - alpha) * base(student, targets) + alpha * distillation term.
+
+    targets: class indices (B,) or soft targets (B, C) from mixup / label smoothing.
+    base_criterion: the label loss (the trainer passes its SoftTargetCrossEntropy /
+      LabelSmoothingCrossEntropy); None: cross-entropy with hard or soft targets.
+    """
+    if kind not in KINDS:
+        raise UserError(f"distill.type={kind!r} is not one of {', '.join(KINDS)}")
+    if base_criterion is not None:
+        base = base_criterion(student_logits, targets)
+    elif targets.dim() == 2:
+        base = torch.sum(-targets * F.log_softmax(student_logits, dim=-1), dim=-1).mean()
+    else:
+        base = F.cross_entropy(student_logits, targets)
+    teacher_logits = teacher_logits.detach()
+    if kind == "hard":
+        kd = F.cross_entropy(student_logits, teacher_logits.argmax(dim=1))
+    else:
+        kd = F.kl_div(F.log_softmax(student_logits / tau, dim=1), F.log_softmax(teacher_logits / tau, dim=1),
+                      reduction="sum", log_target=True) * (tau * tau) / student_logits.numel()
+    return (1 - alpha) * base + alpha * kd
+
+
+# ----------------------------------------------------------------------------------------
+# The teacher
+# ----------------------------------------------------------------------------------------
+
+def _timm_teacher(name: str) -> nn.Module:
+    import timm
+    name, _, flag = name.partition("?")
+    if flag:
+        raise UserError(f"teacher timm:{name}?{flag}: a teacher needs trained weights; pass timm:{name} "
+                        "(pretrained, needs a download) or a checkpoint of a trained classifier")
+    if not timm.is_model(name):
+        raise UserError(f"timm has no model {name!r} for the teacher; e.g. teacher=timm:regnety_160.deit_in1k")
+    try:
+        return timm.create_model(name, pretrained=True)
+    except Exception as e:  # noqa: BLE001 - offline, no cached file, no pretrained tag, ...
+        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"cannot get pretrained weights for teacher timm:{name} ({type(e).__name__}: {first}); "
+                        "this machine may be offline: train a teacher here (bash run.sh supervised "
+                        "regnety_016 ...) and pass its run dir, or pass a downloaded state_dict file with "
+                        f"distill.teacher_model={name}") from None
+
+
+def _classifier_rows(model: nn.Module, sd: dict) -> int | None:
+    """Classes of a classifier state_dict, read at the model's classifier key (timm's cfg)."""
+    key = getattr(model, "pretrained_cfg", {}).get("classifier", "head") if hasattr(model, "pretrained_cfg") \
+        else "head"
+    for k in (f"{key}.weight", "head.weight", "fc.weight", "head.fc.weight", "classifier.weight"):
+        w = sd.get(k)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            return int(w.shape[0])
+    return None
+
+
+def _checkpoint_teacher(spec: str, teacher_model: str | None) -> tuple[nn.Module, str]:
+    from resmlp.models.from_config import build_model
+    path = resolve_checkpoint_path(spec)
+    obj = load_checkpoint(path)
+    ours = obj.get("format") == FORMAT
+    if any(isinstance(obj.get(k), dict) for k in ("teacher", "student")) and "model" not in obj:
+        raise UserError(f"{path} is a DINO checkpoint: its networks have no classifier. Fine-tune it first "
+                        f"(bash run.sh finetune {spec}) and pass that run as the teacher")
+    sd = obj.get("model") if isinstance(obj.get("model"), dict) else obj.get("state_dict", obj)
+    sd = {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()
+          if isinstance(v, torch.Tensor)}
+    if ours and isinstance(obj.get("config"), dict) and "model" in obj["config"]:
+        model_cfg = OmegaConf.create(obj["config"]["model"])
+    elif teacher_model:
+        model_cfg = OmegaConf.create({"name": teacher_model})
+    else:
+        raise UserError(f"{path} carries no config that names its architecture; add "
+                        "distill.teacher_model=<timm or resmlp model name>")
+    n = obj.get("num_classes") if ours else None
+    if not n:
+        n = _classifier_rows(build_model(model_cfg, num_classes=1), sd)
+    if not n:
+        raise UserError(f"{path}: cannot find the teacher's classifier weights (keys: "
+                        f"{', '.join(list(sd)[:5])}, ...)")
+    model = build_model(model_cfg, num_classes=int(n))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path} does not fit {model_cfg.name}: {len(missing)} missing keys "
+                        f"({', '.join(missing[:3])}), {len(unexpected)} unexpected ({', '.join(unexpected[:3])})")
+    return model, str(model_cfg.name)
+
+
+def load_teacher(spec: str, num_classes: int, data_name: str, img_size: int, device,
+                 teacher_model: str | None = None) -> tuple[nn.Module, dict]:
+    """The teacher classifier in eval mode without gradients, and a description of it.
+
+    spec: a run dir / checkpoint of this project's supervised, distill or finetune commands
+    (its saved config names the architecture), a foreign classifier state_dict with
+    `teacher_model` naming the architecture, or timm:<name> (timm's pretrained weights).
+    The teacher must predict the data's classes and take its image size.
+    """
+    if not spec:
+        raise UserError("distill needs a teacher: teacher=<run dir | checkpoint | timm:<name>>")
+    spec = str(spec)
+    if spec.startswith("timm:"):
+        model, name = _timm_teacher(spec[len("timm:"):]), spec[len("timm:"):]
+    else:
+        model, name = _checkpoint_teacher(spec, teacher_model)
+    model.eval().requires_grad_(False)
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, 3, img_size, img_size))
+    except Exception as e:  # noqa: BLE001 - e.g. a ResMLP teacher built for another size
+        raise UserError(f"teacher {spec} cannot take {img_size}px images of {data_name} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    k = int(out.shape[-1])
+    if k != num_classes:
+        raise UserError(f"teacher {spec} predicts {k} classes but {data_name} has {num_classes}; "
+                        "use a teacher trained on this dataset")
+    info = {"spec": spec, "model": name, "params": sum(p.numel() for p in model.parameters())}
+    if not spec.startswith("timm:"):
+        cfg_file = Path(resolve_checkpoint_path(spec)).parent / "results.json"
+        if cfg_file.exists():
+            import json
+            try:
+                res = json.loads(cfg_file.read_text())
+                info["top1"] = res.get("top1")
+            except (OSError, ValueError):
+                pass
+    return model.to(device), info

@@ -1,0 +1,396 @@
+"""Supervised training: from scratch, DeiT distillation, or fine-tuning a DINO backbone.
+
+    bash run.sh supervised resmlp_s12 [key=value ...]     # any timm model too: supervised regnety_016
+    bash run.sh distill resmlp_s12 teacher=<run dir | checkpoint | timm:<name>>
+    bash run.sh finetune <DINO run dir | checkpoint>
+
+One loop for the three commands (cfg.command), read top to bottom: data -> networks ->
+loss -> optimizer and schedules -> resume -> loop -> test-split evaluation. The recipe is
+the paper's (Sec. 3.1): LAMB, lr 5e-3 x batch/512, weight decay 0.2, and otherwise DeiT's
+defaults, all from timm's parts: RandAugment, mixup / cutmix, random erasing, label
+smoothing, stochastic depth, repeated augmentation, model EMA. The shared pieces (process
+group, run dir, precision, checkpoints, logs) live in resmlp.core, as for DINO.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+import torch.nn as nn
+from timm.data import Mixup, create_transform
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.utils import ModelEmaV3
+
+from resmlp.core import dist
+from resmlp.core.checkpoint import rng_state, set_rng_state
+from resmlp.core.engine import Run, progress
+from resmlp.core.errors import UserError
+from resmlp.core.optim import no_weight_decay, param_groups
+from resmlp.core.schedules import cosine_schedule
+from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std, num_classes
+from resmlp.data.resumable import build_train_loader
+from resmlp.models.from_config import build_model
+from resmlp.supervised.distill import distillation_loss, load_teacher
+from resmlp.supervised.repeat_aug import build_repeat_aug_loader
+
+COMMANDS = ("supervised", "distill", "finetune")
+__all__ = ["train", "run", "distillation_loss", "build_networks", "evaluate"]
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+def posterize_keep_bits(img, bits_to_keep, **_):
+    """timm's posterize, with 0 bits meaning a black image (what Pillow < 11 did).
+
+    RandAugment 'inc1' at magnitude 10 (m9, mstd 0.5 reaches it ~2% of the time) asks
+    PosterizeIncreasing for 0 bits, which current Pillow rejects with a ValueError that
+    stops the run; older Pillow, under which DeiT's recipe was made, returned black."""
+    from PIL import Image, ImageOps
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def build_train_transform(cfg):
+    """timm's DeiT training transform on RGB PIL images (RandomResizedCrop bicubic, flip,
+    RandAugment, normalize, random erasing). Works at 32 px as at 224."""
+    a = cfg.aug
+    mean, std = mean_std(cfg.data)
+    transform = create_transform(input_size=cfg.data.img_size, is_training=True, scale=tuple(a.scale),
+                                 hflip=a.hflip, color_jitter=a.color_jitter, auto_augment=a.auto_augment or None,
+                                 interpolation=a.interpolation, mean=mean, std=std, re_prob=a.re_prob,
+                                 re_mode=a.re_mode, re_count=a.re_count)
+    for t in getattr(transform, "transforms", []):
+        for op in getattr(t, "ops", None) or getattr(t, "policy", None) or []:
+            for o in (op if isinstance(op, (list, tuple)) else [op]):
+                if str(getattr(o, "name", "")).startswith("Posterize"):
+                    o.aug_fn = posterize_keep_bits
+    return transform
+
+
+def build_mixup(cfg, n_classes: int, batch_per_rank: int):
+    """timm's Mixup (it also applies the label smoothing) or None when both alphas are 0."""
+    a = cfg.aug
+    if not (a.mixup > 0 or a.cutmix > 0) or a.mixup_prob <= 0:
+        return None
+    if batch_per_rank % 2:
+        raise UserError(f"mixup/cutmix need an even batch per process, got {batch_per_rank}; change batch_size "
+                        "or set aug.mixup=0 aug.cutmix=0")
+    return Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mixup_prob, switch_prob=a.mixup_switch_prob,
+                 mode=a.mixup_mode, label_smoothing=a.smoothing, num_classes=n_classes)
+
+
+def build_criterion(cfg, mixup) -> nn.Module:
+    """DeiT's choice: soft-target CE after mixup, else label smoothing, else plain CE."""
+    if mixup is not None:
+        return SoftTargetCrossEntropy()
+    if cfg.aug.smoothing > 0:
+        return LabelSmoothingCrossEntropy(smoothing=cfg.aug.smoothing)
+    return nn.CrossEntropyLoss()
+
+
+# ---- networks -------------------------------------------------------------------------------
+
+def init_from_checkpoint(model: nn.Module, cfg) -> dict:
+    """Fine-tuning: copy the checkpoint's backbone (DINO: the `teacher` network's backbone.*)
+    into `model`; the head stays new. A backbone that does not fit is a UserError."""
+    from resmlp.eval.checkpoints import describe, load_backbone
+    from resmlp.models import ResMLP, load_pretrained
+    spec = cfg.checkpoint
+    if not spec:
+        raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
+    backbone, info = load_backbone(spec, key=cfg.finetune.key, device="cpu", img_size=cfg.data.img_size)
+    sd = backbone.state_dict()
+    where = f"{spec} ({describe(info)})"
+    if isinstance(model, ResMLP):
+        try:
+            load_pretrained(model, sd, strict=True, ignore_head=True)
+        except UserError as e:
+            raise UserError(f"{where} is not a backbone {cfg.model.name} can take: {e}") from None
+    else:
+        prefix = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
+        head = {n for n, _ in model.named_parameters() if n.startswith(prefix)}
+        try:
+            missing, unexpected = model.load_state_dict(sd, strict=False)
+        except RuntimeError as e:
+            raise UserError(f"{where} is not a backbone {cfg.model.name} can take: "
+                            f"{str(e).splitlines()[1][:200] if len(str(e).splitlines()) > 1 else e}") from None
+        missing = [k for k in missing if k not in head]
+        if missing or unexpected:
+            raise UserError(f"{where} is not a backbone {cfg.model.name} can take: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+    return {"checkpoint": str(spec), "source": info.get("source"), "key": info.get("key"),
+            "checkpoint_epoch": info.get("epoch"), "weights_hash": info.get("weights_hash")}
+
+
+def build_networks(cfg, n_classes: int, device):
+    """(classifier, teacher or None, info): what the command trains, on `device`.
+
+    supervised: a new model; distill: a new model and the frozen teacher; finetune: the
+    model with its backbone from cfg.checkpoint and a new head for the data's classes.
+    """
+    model = build_model(cfg.model, num_classes=n_classes)
+    teacher, info = None, {}
+    if cfg.command == "finetune":
+        info["init"] = init_from_checkpoint(model, cfg)
+    if cfg.command == "distill":
+        d = cfg.distill
+        teacher, info["teacher"] = load_teacher(d.teacher, n_classes, cfg.data.name, cfg.data.img_size, device,
+                                                teacher_model=d.teacher_model)
+    return model.to(device), teacher, info
+
+
+def layer_id(name: str, n_layers: int) -> int:
+    """0 for the stem, i + 1 for block i, n_layers + 1 for the final norm, pooling and head."""
+    if name.startswith(("patch_embed", "stem", "cls_token", "pos_embed")):
+        return 0
+    m = re.match(r"(?:blocks|layers|stages)\.(\d+)\.", name)
+    return int(m.group(1)) + 1 if m else n_layers + 1
+
+
+def layer_decay_groups(model: nn.Module, layer_decay: float) -> list[dict]:
+    """core.optim's decay / no-decay split, further split per layer with lr_scale =
+    layer_decay ** (n_layers + 1 - layer): the head learns at the full lr, block i at
+    decay^(depth - i), the patch embedding at decay^(depth + 1) (BEiT's rule)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    ids = [int(m.group(1)) for n in names if (m := re.match(r"(?:blocks|layers|stages)\.(\d+)\.", n))]
+    if not ids:
+        raise UserError(f"finetune.layer_decay needs a model with numbered blocks; {type(model).__name__} has none")
+    n_layers = max(ids) + 1
+    groups: dict[tuple, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        lid, nd = layer_id(name, n_layers), no_weight_decay(name, p)
+        g = groups.setdefault((lid, nd), {"params": [], "name": "no_decay" if nd else "decay", "layer": lid,
+                                          "lr_scale": layer_decay ** (n_layers + 1 - lid)})
+        if nd:
+            g["weight_decay"] = 0.0
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device, autocast) -> dict:
+    """Top-1 / top-5 (%) on the loader's images, summed over every process's shard."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # top-1 hits, top-5 hits, images
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with autocast():
+            logits = model(images)
+        k = min(5, logits.shape[-1])
+        top = logits.float().topk(k, dim=-1).indices
+        hit = top == labels[:, None]
+        counts += torch.stack([hit[:, 0].sum(), hit.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
+    dist.all_reduce_sum(counts)
+    model.train(was_training)
+    n = max(1.0, counts[2].item())
+    return {"top1": 100.0 * counts[0].item() / n, "top5": 100.0 * counts[1].item() / n, "n_test": int(counts[2])}
+
+
+def build_test_loader(cfg, run):
+    ds = build_dataset(cfg.data, "test", build_eval_transform(cfg.data))
+    if cfg.eval_limit and cfg.eval_limit < len(ds):
+        step = len(ds) / cfg.eval_limit  # evenly spaced: every class when the split is ordered by class
+        ds = torch.utils.data.Subset(ds, [int(i * step) for i in range(cfg.eval_limit)])
+    bs = max(1, cfg.eval_batch_size // run.world_size)
+    return build_loader(ds, bs, train=False, num_workers=cfg.num_workers, seed=cfg.seed)
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+DEMO_TEXT = {
+    "supervised": "a small {m} (dim {d}, depth {k}) on {n} Fashion-MNIST images for {e} epochs, with the full "
+                  "DeiT/ResMLP recipe",
+    "distill": "a small {m} (dim {d}, depth {k}) distilled on {n} images for {e} epochs",
+    "finetune": "fine-tuning {m} on {n} images for {e} epochs",
+}
+
+
+def train(cfg):
+    """Train as cfg.command says; return (run, model, results). `run(cfg)` is the CLI entry."""
+    if cfg.command not in COMMANDS:
+        raise UserError(f"resmlp.supervised.train serves {', '.join(COMMANDS)}, not {cfg.command!r}")
+    demo = bool(cfg.demo)
+    run = Run(cfg)
+    device = run.device
+    if demo:
+        what = DEMO_TEXT[cfg.command].format(m=cfg.model.name, d=cfg.model.dim, k=cfg.model.depth,
+                                             n=cfg.data.subset or "all", e=cfg.epochs)
+        run.print(f"CPU demo: {what}, to show the pipeline learns. The real run needs a GPU: on one, "
+                  f"`bash run.sh {cfg.command} ...` trains the full preset; demo=false forces it here.")
+
+    # ---- data: augmented training split, plain test split ---------------------------------
+    n_classes = num_classes(cfg.data)
+    dataset = build_dataset(cfg.data, "train")
+    transform = build_train_transform(cfg)
+    if cfg.aug.repeats > 1:
+        loader, sampler = build_repeat_aug_loader(dataset, transform, run.batch_per_rank, cfg.aug.repeats,
+                                                  cfg.seed, cfg.num_workers, pin_memory=device.type == "cuda")
+    else:
+        loader, sampler = build_train_loader(dataset, transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
+                                             pin_memory=device.type == "cuda")
+    ipe = sampler.batches_per_epoch
+    test_loader = build_test_loader(cfg, run)
+
+    # ---- networks, loss ----------------------------------------------------------------------
+    model, teacher, info = build_networks(cfg, n_classes, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    mixup = build_mixup(cfg, n_classes, run.batch_per_rank)
+    criterion = build_criterion(cfg, mixup)
+    ema = ModelEmaV3(model, decay=cfg.ema.decay, device=device) if cfg.ema.enabled else None
+
+    # ---- optimizer, schedules (per iteration) -------------------------------------------------
+    o = cfg.optim
+    layer_decay = cfg.finetune.layer_decay if cfg.command == "finetune" else None
+    groups = layer_decay_groups(model, layer_decay) if layer_decay and layer_decay < 1 else param_groups(model)
+    optimizer = create_optimizer_v2(groups, opt=o.opt, lr=0.0, weight_decay=o.weight_decay, momentum=o.momentum)
+    base_lr = o.lr * cfg.batch_size / o.lr_batch
+    E = cfg.epochs
+    lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, o.warmup_epochs, o.warmup_lr)
+
+    raw_model = model
+    if run.world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    fwd = torch.compile(model) if cfg.compile else model
+
+    # ---- resume ---------------------------------------------------------------------------------
+    start_it, results = 0, {"history": []}
+    state = run.resume_state()
+    if state is not None:
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        run.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        start_it, results = state["iteration"], state.get("results", results)
+
+    def checkpoint(iteration: int):
+        run.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                  "ema": ema.state_dict() if ema is not None else None, "scaler": run.scaler.state_dict(),
+                  "epoch": iteration // ipe, "iteration": iteration, "rng": rng_state(),
+                  "num_classes": n_classes, "results": results})
+
+    def test(epoch: int) -> dict:
+        res = evaluate(raw_model, test_loader, device, run.autocast)
+        if ema is not None:
+            e = evaluate(ema.module, test_loader, device, run.autocast)
+            res.update(ema_top1=e["top1"], ema_top5=e["top5"])
+        res["epoch"] = epoch
+        run.print(f"[epoch {epoch}] test top1={res['top1']:.2f} top5={res['top5']:.2f}"
+                  + (f" (EMA top1={res['ema_top1']:.2f})" if ema is not None else "") + f" on {res['n_test']} images")
+        return res
+
+    what = ("from scratch" if cfg.command == "supervised" else f"fine-tuned from {cfg.checkpoint}"
+            if cfg.command == "finetune" else f"distilled ({cfg.distill.type}) from {cfg.distill.teacher}")
+    run.print(f"{cfg.command} {cfg.model.name} ({n_params / 1e6:.2f}M params) {what} on {cfg.data.name}: "
+              f"{len(dataset)} images, {n_classes} classes, {E} epochs x {ipe} iterations, global batch "
+              f"{cfg.batch_size} on {run.world_size} x {device.type}, {o.opt} lr {base_lr:.2e}"
+              + (f", layer decay {layer_decay}" if layer_decay and layer_decay < 1 else "") + f", run dir {run.dir}")
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    it = start_it
+    train_time, train_images = 0.0, 0
+    for epoch in range(start_it // ipe, E):
+        sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
+        model.train()
+        epoch_loss, epoch_steps = torch.zeros((), device=device), 0
+        t0, seen_since, t_epoch = time.time(), 0, time.time()
+        bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
+                       enabled=run.interactive)
+        for images, labels in bar:
+            for g in optimizer.param_groups:
+                g["lr"] = lr_sched[it] * g.get("lr_scale", 1.0)
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            targets = labels
+            if mixup is not None:
+                images, targets = mixup(images, labels)
+            with run.autocast():
+                logits = fwd(images)
+            if teacher is not None:
+                with torch.no_grad(), run.autocast():
+                    t_logits = teacher(images)
+                loss = distillation_loss(logits.float(), t_logits.float(), targets, cfg.distill.type,
+                                         cfg.distill.alpha, cfg.distill.tau, base_criterion=criterion)
+            else:
+                loss = criterion(logits.float(), targets)
+            # every rank must agree to stop, or the others would wait forever in DDP's all-reduce
+            run.check_finite(dist.all_reduce_sum(loss.detach().clone()), f"epoch {epoch + 1}, iteration {it + 1}")
+
+            optimizer.zero_grad(set_to_none=True)
+            run.scaler.scale(loss).backward()
+            if o.clip_grad:
+                run.scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(raw_model.parameters(), o.clip_grad)
+            run.scaler.step(optimizer)
+            run.scaler.update()
+            if ema is not None:
+                ema.update(raw_model, step=it)
+            it += 1
+            epoch_loss += loss.detach()
+            epoch_steps += 1
+            seen_since += cfg.batch_size
+            if run.interactive:
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+            if it % cfg.log_every == 0 or it == E * ipe:
+                dt = time.time() - t0
+                record = {"epoch": it / ipe, "iteration": it, "loss": loss.item(), "lr": lr_sched[it - 1],
+                          "images_per_s": seen_since / max(dt, 1e-9), "peak_mem_mb": run.peak_memory_mb()}
+                run.log(record, step=it)
+                if not run.interactive:
+                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
+                              f"lr {record['lr']:.2e} {record['images_per_s']:.0f} img/s")
+                t0, seen_since = time.time(), 0
+            if cfg.ckpt_every and it % cfg.ckpt_every == 0 and it % ipe:
+                checkpoint(it)
+        train_time += time.time() - t_epoch
+        train_images += epoch_steps * cfg.batch_size
+
+        mean_loss = (dist.all_reduce_mean(epoch_loss) / max(1, epoch_steps)).item()
+        record = {"epoch": epoch + 1, "iteration": it, "train_loss": mean_loss, "lr": lr_sched[it - 1]}
+        last = epoch + 1 == E
+        if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0 and not last:
+            res = test(epoch + 1)
+            results["history"].append(res)
+            record.update({k: v for k, v in res.items() if k != "epoch"})
+        run.log(record, step=it)
+        run.print(f"epoch {epoch + 1}/{E}: train loss {mean_loss:.4f}")
+        checkpoint(it)
+
+    # ---- the end: test split, results --------------------------------------------------------
+    final = test(E)
+    results["history"] = [h for h in results["history"] if h["epoch"] != E] + [final]
+    run.log({k: v for k, v in final.items()}, step=it)
+    best = max(results["history"], key=lambda h: h["top1"])
+    summary = {"command": cfg.command, "model": cfg.model.name, "data": cfg.data.name, "epochs": E,
+               "demo": demo, "params": n_params, "num_classes": n_classes, "train_images": len(dataset),
+               "batch_size": cfg.batch_size, "top1": final["top1"], "top5": final["top5"], "n_test": final["n_test"],
+               "best_top1": best["top1"], "best_epoch": best["epoch"], "last_epoch": E,
+               "images_per_s": round(train_images / train_time, 1) if train_time else None,
+               "peak_mem_mb": round(run.peak_memory_mb(), 1), **info,
+               **({"ema_top1": final["ema_top1"], "ema_top5": final["ema_top5"]} if ema is not None else {}),
+               **({"layer_decay": layer_decay} if cfg.command == "finetune" else {}),
+               **({"distill_type": cfg.distill.type} if cfg.command == "distill" else {})}
+    summary = run.finish(summary)
+    if run.is_main:
+        print(f"{cfg.command} top1={final['top1']:.2f} top5={final['top5']:.2f} (best top1={best['top1']:.2f} at "
+              f"epoch {best['epoch']}; {cfg.model.name}, {E} epochs, {cfg.data.name} test split, "
+              f"{summary['wall_time_s']:.0f} s)", flush=True)
+    return run, raw_model, summary
+
+
+def run(cfg) -> int:
+    try:
+        train(cfg)
+    finally:
+        dist.cleanup()
+    return 0

@@ -1,0 +1,214 @@
+"""DINO: loss, EMA, clipping and multi-crop against plain implementations; end-to-end runs,
+resume after a kill, and two processes against one."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from resmlp.core.config import load_config
+from resmlp.core.errors import RunFailed, UserError
+from resmlp.ssl.ema import clip_per_parameter, update_teacher
+from resmlp.ssl.multicrop import MultiCropNet
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+
+TINY = ["demo=false", "model.dim=16", "model.depth=2", "data.subset=64", "batch_size=32", "epochs=2",
+        "dino.out_dim=64", "dino.hidden_dim=32", "dino.bottleneck_dim=16", "dino.n_local_crops=2",
+        "optim.warmup_epochs=1", "num_workers=0", "eval_every=0", "log_every=1",
+        "dino.final_linear=false", "model.drop_path_rate=0.0"]
+
+
+def tiny_cfg(tmp_path, *extra):
+    return load_config("dino", "resmlp_s12", [*TINY, f"out={tmp_path}", *extra])
+
+
+# ---- pieces against plain implementations -----------------------------------------------
+def plain_dino_loss(teacher, student, center, t_temp, s_temp=0.1, momentum=0.9):
+    """DINO's loss as main_dino.py defines it, written out with loops."""
+    t_probs = [F.softmax((t - center) / t_temp, dim=-1) for t in teacher]
+    total, n = 0.0, 0
+    for i, q in enumerate(t_probs):
+        for v, s in enumerate(student):
+            if v == i:
+                continue
+            total = total + torch.sum(-q * F.log_softmax(s / s_temp, dim=-1), dim=-1).mean()
+            n += 1
+    new_center = center * momentum + torch.cat(teacher).mean(0, keepdim=True) * (1 - momentum)
+    return total / n, new_center
+
+
+def test_lightly_dino_loss_matches_reference_definition():
+    from lightly.loss import DINOLoss
+    torch.manual_seed(0)
+    K, B = 50, 6
+    loss_fn = DINOLoss(K, warmup_teacher_temp_epochs=0)
+    loss_fn.center.normal_()
+    center = loss_fn.center.clone().reshape(1, K)
+    teacher = [torch.randn(B, K) for _ in range(2)]
+    student = [torch.randn(B, K) for _ in range(5)]
+    got = loss_fn(teacher, student, teacher_temp=0.05)
+    want, want_center = plain_dino_loss(teacher, student, center, 0.05)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(loss_fn.center.reshape(1, K), want_center, atol=1e-6)
+
+
+def test_ema_update_matches_per_parameter_formula():
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    before = [p.clone() for p in teacher.parameters()]
+    update_teacher(teacher, student, 0.9)
+    for t, t0, s in zip(teacher.parameters(), before, student.parameters()):
+        assert torch.allclose(t, 0.9 * t0 + 0.1 * s, atol=1e-7)
+
+
+def test_clip_per_parameter_matches_dino():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    for p, scale in zip(params, (0.1, 10.0, 100.0)):
+        p.grad = torch.randn(5) * scale
+    want = [p.grad * min(1.0, 3.0 / (p.grad.norm().item() + 1e-6)) for p in params]
+    clip_per_parameter(params, 3.0)
+    for p, w in zip(params, want):
+        assert torch.allclose(p.grad, w, atol=1e-6)
+    assert params[0].grad.norm() < 3.0 and abs(params[2].grad.norm().item() - 3.0) < 1e-3
+
+
+def test_multicrop_groups_resolutions_like_separate_forwards():
+    from resmlp.models import create_model
+    torch.manual_seed(0)
+    backbone = create_model("resmlp_s12", dim=16, depth=2, img_size=32, patch_size=4, num_classes=0,
+                            grid_adapt="subgrid")
+    net = MultiCropNet(backbone, torch.nn.Identity()).eval()
+    crops = [torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32), torch.randn(3, 3, 16, 16)]
+    together = net(crops)
+    apart = torch.cat([backbone(c) for c in crops])
+    assert together.shape == (9, 16) and torch.allclose(together, apart, atol=1e-5)
+
+
+def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
+    from resmlp.ssl.train import build_networks
+    cfg = tiny_cfg(tmp_path)
+    student, teacher = build_networks(cfg, torch.device("cpu"))
+    for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
+        assert torch.equal(s, t), n
+    assert not any(p.requires_grad for p in teacher.parameters())
+    assert student.backbone.grid_adapt == "subgrid"
+
+
+def test_bad_strategy_is_a_user_error(tmp_path):
+    from resmlp.ssl.train import crop_plan
+    with pytest.raises(UserError, match="dino.local_crops"):
+        crop_plan(tiny_cfg(tmp_path, "dino.local_crops=stretch"))
+    with pytest.raises(UserError, match="multiple of model.patch_size"):
+        crop_plan(tiny_cfg(tmp_path, "dino.local_size=10"))
+
+
+# ---- end to end -------------------------------------------------------------------------
+@needs_fmnist
+@pytest.mark.parametrize("strategy", ["resize", "interpolate", "subgrid", "none"])
+def test_every_local_crop_strategy_trains(tmp_path, strategy):
+    from resmlp.ssl.train import train
+    run, student, teacher, results = train(tiny_cfg(tmp_path, f"dino.local_crops={strategy}", "epochs=1"))
+    assert results["local_crops"] == strategy and 0 <= results["knn_top1"] <= 100
+
+
+@needs_fmnist
+def test_run_writes_outputs_and_prints_knn(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY,
+                          f"out={tmp_path}", "eval_every=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "knn top1=" in out.stdout and "(k=20, T=0.07)" in out.stdout
+    for name in ("config.yaml", "checkpoint.pth", "log.jsonl", "results.json"):
+        assert (tmp_path / name).exists(), name
+    assert list((tmp_path / "tb").glob("events.*"))
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    train_lines = [r for r in records if "loss" in r]
+    for key in ("lr", "wd", "momentum", "teacher_temp", "teacher_entropy", "teacher_kl_center",
+                "images_per_s", "peak_mem_mb"):
+        assert key in train_lines[-1], key
+    assert any("knn_top1" in r for r in records)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "init_knn_top1" in results and "knn_top1" in results
+    ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=False)
+    assert set(ckpt) >= {"student", "teacher", "optimizer", "center", "scaler", "epoch", "iteration",
+                         "rng", "config"}
+    assert any(k.startswith("backbone.") for k in ckpt["teacher"])
+
+
+@needs_fmnist
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    from lightly.loss import DINOLoss
+    from resmlp.ssl import train as dino_train
+    calls = {"n": 0}
+    real = DINOLoss.forward
+
+    def poisoned(self, *a, **k):
+        calls["n"] += 1
+        loss = real(self, *a, **k)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(DINOLoss, "forward", poisoned)
+    cfg = tiny_cfg(tmp_path, "ckpt_every=1", "epochs=3")
+    with pytest.raises(RunFailed, match="nan.*intact"):
+        dino_train.train(cfg)
+    ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=False)
+    assert ckpt["iteration"] == 2
+    assert all(torch.isfinite(v).all() for v in ckpt["teacher"].values())
+
+
+def _train_cmd(out, *extra):
+    return [sys.executable, "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY, f"out={out}", *extra]
+
+
+@needs_fmnist
+def test_killed_run_resumes_to_the_same_weights(tmp_path):
+    extra = ("epochs=2", "data.subset=128", "ckpt_every=1")     # 4 iterations per epoch
+    full = subprocess.run(_train_cmd(tmp_path / "full", *extra), cwd=ROOT, capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr[-2000:]
+    env = {**os.environ, "RESMLP_KILL_AT_ITERATION": "6"}        # mid-epoch 2
+    killed = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, env=env, capture_output=True,
+                            text=True)
+    assert killed.returncode != 0
+    assert torch.load(tmp_path / "cut" / "checkpoint.pth", weights_only=False)["iteration"] == 6
+    resumed = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+    a = torch.load(tmp_path / "full" / "checkpoint.pth", weights_only=False)
+    b = torch.load(tmp_path / "cut" / "checkpoint.pth", weights_only=False)
+    assert a["iteration"] == b["iteration"] == 8
+    for key in ("teacher", "student"):
+        for name, value in a[key].items():
+            assert torch.equal(value, b[key][name]), f"{key}.{name}"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_fmnist
+def test_two_processes_equal_one_on_the_same_global_batch(tmp_path):
+    extra = ("epochs=1", "data.subset=128", "dino.freeze_last_layer=0")
+    one = subprocess.run(_train_cmd(tmp_path / "one", *extra), cwd=ROOT, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={_free_port()}", "-m", "resmlp.core.cli", "dino", "resmlp_s12",
+                          *TINY, f"out={tmp_path / 'two'}", *extra, "save_rank_weights=true"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = torch.load(tmp_path / "one" / "checkpoint.pth", weights_only=False)
+    ranks = [torch.load(tmp_path / "two" / f"weights_rank{r}.pth") for r in (0, 1)]
+    for key in ("student", "teacher"):
+        for name, value in a[key].items():
+            assert torch.equal(ranks[0][key][name], ranks[1][key][name]), f"ranks differ: {key}.{name}"
+            assert torch.allclose(value, ranks[0][key][name], atol=1e-5), f"1 vs 2 processes: {key}.{name}"

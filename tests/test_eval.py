@@ -1,0 +1,467 @@
+"""Evaluation package: k-NN, feature cache, checkpoint loading, linear probe, figures."""
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from resmlp.core.errors import UserError
+from resmlp.eval import checkpoints as ck
+from resmlp.eval import features as fe
+from resmlp.eval.knn import (check_ks, knn_classify, knn_evaluate, knn_search, resolve_backend,
+                             topk_correct)
+from resmlp.eval.linear import train_linear_on_features
+
+try:
+    import faiss  # noqa: F401
+    HAVE_FAISS = True
+except ImportError:
+    HAVE_FAISS = False
+
+FMNIST = "/usr/share/datasets/fashion-mnist"
+TINY = dict(img_size=32, patch_size=4, dim=32, depth=2)
+
+
+# --------------------------------------------------------------------------- k-NN
+
+def numpy_knn_scores(train, labels, test, num_classes, k, T):
+    """The DINO protocol written out plainly: cosine, top-k by (-sim, index), exp(sim/T) votes."""
+    tr = train / np.linalg.norm(train, axis=1, keepdims=True)
+    te = test / np.linalg.norm(test, axis=1, keepdims=True)
+    sims = te.astype(np.float64) @ tr.astype(np.float64).T
+    scores = np.zeros((len(te), num_classes))
+    for i, row in enumerate(sims):
+        order = np.lexsort((np.arange(len(row)), -row))[:k]
+        for j in order:
+            scores[i, labels[j]] += np.exp(row[j] / T)
+    return scores
+
+
+def random_features(n_train=400, n_test=60, dim=24, classes=6, seed=0):
+    g = np.random.default_rng(seed)
+    centers = g.standard_normal((classes, dim))
+    ytr = g.integers(0, classes, n_train)
+    yte = g.integers(0, classes, n_test)
+    xtr = (centers[ytr] + 1.5 * g.standard_normal((n_train, dim))).astype(np.float32)
+    xte = (centers[yte] + 1.5 * g.standard_normal((n_test, dim))).astype(np.float32)
+    return xtr, ytr, xte, yte
+
+
+@pytest.mark.parametrize("k,T", [(1, 0.07), (5, 0.07), (20, 0.5), (37, 0.02)])
+def test_knn_matches_numpy_reference(k, T):
+    xtr, ytr, xte, _ = random_features()
+    ref = numpy_knn_scores(xtr, ytr, xte, 6, k, T)
+    got = knn_classify(xtr, ytr, xte, 6, k=k, temperature=T, backend="torch")
+    assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == (60, 6)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5)
+    assert (got.argmax(1).numpy() == ref.argmax(1)).all()
+
+
+def tie_features():
+    xtr, ytr, xte, _ = random_features(n_train=300, n_test=40, seed=1)
+    xtr[50:80] = xtr[7]               # 31 identical training features, mixed labels
+    xtr[200:203] = 2.0 * xtr[9]       # same direction, other norm: equal cosine
+    xte[:6] = xtr[7]                  # queries sitting exactly on the duplicates
+    xte[6:9] = xtr[9]
+    return xtr, ytr, xte
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss not installed")
+@pytest.mark.parametrize("k", [1, 10, 20, 45])
+def test_faiss_and_torch_backends_agree_with_ties(k):
+    xtr, ytr, xte = tie_features()
+    s_f, i_f = knn_search(xtr, xte, k, backend="faiss", device="cpu")
+    s_t, i_t = knn_search(xtr, xte, k, backend="torch", device="cpu")
+    assert torch.equal(i_f, i_t)
+    assert torch.allclose(s_f, s_t, atol=1e-12)
+    # ties go to the lower train index: the duplicates come out in index order
+    first = i_t[0].tolist()
+    dup = [7] + list(range(50, 80))
+    assert first == dup[:k] if k <= len(dup) else first[:len(dup)] == dup
+    a = knn_classify(xtr, ytr, xte, 6, k=k, backend="faiss", device="cpu")
+    b = knn_classify(xtr, ytr, xte, 6, k=k, backend="torch", device="cpu")
+    assert torch.equal(a.argmax(1), b.argmax(1))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    ref = numpy_knn_scores(xtr, ytr, xte, 6, k, 0.07)
+    np.testing.assert_allclose(b.numpy(), ref, rtol=1e-5)
+
+
+def test_chunking_does_not_change_results():
+    xtr, ytr, xte = tie_features()
+    whole = knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=10_000)
+    for chunk in (1, 7):
+        assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=chunk), whole)
+    if HAVE_FAISS:
+        assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=20, backend="faiss", chunk_size=3), whole)
+
+
+def test_knn_evaluate_hand_made():
+    # unit vectors at angles (degrees); the test points at 5, 95 and 15 sit exactly between
+    # two training points: with k=1 the lower train index wins the tie
+    deg = np.radians
+    train = np.array([[np.cos(deg(a)), np.sin(deg(a))] for a in (0, 10, 20, 90, 100, 180)], np.float32)
+    ytr = np.array([0, 0, 1, 1, 1, 2])
+    test = np.array([[np.cos(deg(a)), np.sin(deg(a))] for a in (5, 95, 170, 15)], np.float32)
+    yte = np.array([0, 1, 2, 1])
+    res = knn_evaluate(train, ytr, test, yte, 3, ks=(1, 3), temperature=0.07)
+    assert set(res) == {1, 3}
+    for k in (1, 3):
+        assert res[k]["top1"] == pytest.approx(75.0)
+        assert res[k]["top5"] == pytest.approx(100.0)   # top-min(5, 3 classes)
+    scores = torch.tensor([[0.1, 0.5, 0.2, 0.0, 0.0, 0.0, 0.9], [0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    r = topk_correct(scores, torch.tensor([1, 6]))
+    assert r["top1"] == 0.0 and r["top5"] == 50.0   # ties in the 2nd row go to low classes
+
+
+def test_numpy_and_torch_inputs_agree():
+    xtr, ytr, xte, yte = random_features()
+    a = knn_evaluate(xtr, ytr, xte, yte, 6, ks=(5, 10))
+    b = knn_evaluate(torch.from_numpy(xtr).double(), torch.from_numpy(ytr), torch.from_numpy(xte),
+                     list(yte), 6, ks=[10, 5])
+    assert a == b
+    assert isinstance(knn_classify(torch.from_numpy(xtr), ytr, xte, 6, k=3), torch.Tensor)
+
+
+def test_bad_knn_input_raises_user_error():
+    xtr, ytr, xte, yte = random_features(n_train=30)
+    for k in (0, -3, 31, "abc", 2.5):
+        with pytest.raises(UserError):
+            knn_evaluate(xtr, ytr, xte, yte, 6, ks=[k])
+    for T in (0, -0.1, "x"):
+        with pytest.raises(UserError):
+            knn_classify(xtr, ytr, xte, 6, k=5, temperature=T)
+    with pytest.raises(UserError):
+        knn_classify(xtr[:0], ytr[:0], xte, 6, k=1)
+    with pytest.raises(UserError):
+        knn_classify(xtr, ytr, xte, 6, k=1, backend="annoy")
+    with pytest.raises(UserError):
+        knn_classify(xtr, ytr + 10, xte, 6, k=1)     # labels outside num_classes
+    assert check_ks("10,20", 100) == [10, 20] and check_ks(20, 100) == [20]
+    assert resolve_backend("torch", "cpu")[0] == "torch"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def tiny_model(seed=0, num_classes=0, **over):
+    from resmlp.models import create_model
+    torch.manual_seed(seed)
+    m = create_model("resmlp_s12", **{**TINY, **over}, num_classes=num_classes)
+    with torch.no_grad():   # make LayerScale / Aff non-trivial so every weight matters
+        for name, p in m.named_parameters():
+            if name.endswith(("ls1", "ls2", "alpha", "beta")) or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+def dino_checkpoint(model, student=None):
+    sd = {"backbone." + k: v for k, v in model.state_dict().items()}
+    sd["head.mlp.0.weight"] = torch.randn(16, 32)
+    sd["head.last_layer.weight_g"] = torch.ones(1, 8)
+    st = student if student is not None else sd
+    cfg = {"model": {"name": "resmlp_s12", **TINY, "drop_path_rate": 0.1},
+           "data": {"name": "fashion_mnist", "img_size": 32}}
+    return {"format": "resmlp-ssl", "command": "dino", "config": cfg, "teacher": sd, "student": st,
+            "epoch": 3, "iteration": 10}
+
+
+def to_official_keys(sd):
+    out = {}
+    for k, v in sd.items():
+        k = k.replace(".cross_patch.", ".attn.").replace(".ls1", ".gamma_1").replace(".ls2", ".gamma_2")
+        out[k] = v
+    return out
+
+
+def test_every_checkpoint_format_gives_the_same_features(tmp_path):
+    model = tiny_model()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        ref = model(x)
+    student_model = tiny_model(seed=1)
+    student = {"backbone." + k: v for k, v in student_model.state_dict().items()}
+    clf = tiny_model(num_classes=10)
+    clf.load_state_dict(model.state_dict(), strict=False)   # same backbone, a 10-class head
+
+    files = {
+        "dino": dino_checkpoint(model, student),
+        "supervised": {"format": "resmlp-ssl", "command": "supervised",
+                       "config": {"model": {"name": "resmlp_s12", **TINY}}, "model": clf.state_dict()},
+        "dino_official": {"teacher": {"module." + k: v for k, v in dino_checkpoint(model)["teacher"].items()},
+                          "student": {"module." + k: v for k, v in student.items()}, "epoch": 5},
+        "official_wrapped": {"model": to_official_keys(clf.state_dict())},
+        "bare": model.state_dict(),
+    }
+    hashes = set()
+    for name, obj in files.items():
+        path = tmp_path / f"{name}.pth"
+        torch.save(obj, path)
+        bb, info = ck.load_backbone(path)
+        assert not bb.training and info["is_resmlp"], name
+        assert info["arch"]["dim"] == 32 and info["arch"]["depth"] == 2 and info["arch"]["img_size"] == 32
+        with torch.no_grad():
+            torch.testing.assert_close(bb(x), ref, rtol=1e-5, atol=1e-6, msg=name)
+        hashes.add(info["weights_hash"])
+    assert len(hashes) == 1                                  # same weights, same cache key
+    assert ck.load_backbone(tmp_path / "supervised.pth")[1]["head_num_classes"] == 10
+    # the student network of both DINO layouts
+    for name in ("dino", "dino_official"):
+        bb, info = ck.load_backbone(tmp_path / f"{name}.pth", key="student")
+        assert info["key"] == "student"
+        with torch.no_grad():
+            torch.testing.assert_close(bb(x), student_model(x))
+    # a run directory
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(files["dino"], run / "checkpoint.pth")
+    bb, info = ck.load_backbone(run)
+    assert info["run_dir"] == str(run) and info["source"] == "dino" and info["epoch"] == 3
+    with torch.no_grad():
+        torch.testing.assert_close(bb(x), ref)
+    # the backbone's weights load into a classifier for fine-tuning (head only missing)
+    from resmlp.models import create_model
+    fresh = create_model(info["model"], **info["arch"], num_classes=7)
+    missing, unexpected = fresh.load_state_dict(bb.state_dict(), strict=False)
+    assert not unexpected and sorted(missing) == ["head.bias", "head.weight"]
+    ft, finfo = ck.load_classifier(tmp_path / "supervised.pth", num_classes=10)
+    assert finfo["head"] == "loaded" and ft.training
+    with torch.no_grad():
+        torch.testing.assert_close(ft.eval()(x), clf(x))
+
+
+def test_timm_state_dict_and_timm_models(tmp_path):
+    from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+    torch.manual_seed(0)
+    timm_model = MlpMixer(num_classes=10, img_size=32, patch_size=4, num_blocks=2, embed_dim=32, mlp_ratio=4,
+                          block_layer=partial(ResBlock, init_values=0.1), norm_layer=Affine).eval()
+    torch.save(timm_model.state_dict(), tmp_path / "timm.pth")
+    bb, info = ck.load_backbone(tmp_path / "timm.pth")
+    assert info["head_num_classes"] == 10 and info["arch"]["patch_size"] == 4
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expect = timm_model.forward_head(timm_model.forward_features(x), pre_logits=True)
+        torch.testing.assert_close(bb(x), expect, rtol=1e-5, atol=1e-6)
+    # timm:<name>?random: timm's own model, random but reproducible weights, built for the data size
+    m1, i1 = ck.load_backbone("timm:resmlp_12_224?random", img_size=32)
+    m2, i2 = ck.load_backbone("timm:resmlp_12_224", pretrained=False, img_size=32)
+    assert i1["source"] == "timm" and not i1["is_resmlp"] and i1["weights_hash"] == i2["weights_hash"]
+    with torch.no_grad():
+        assert m1(x).shape == (2, 384)
+    with pytest.raises(UserError, match="timm has no model"):
+        ck.load_backbone("timm:no_such_model?random")
+    # a project checkpoint of a timm architecture (the supervised command trains any)
+    import timm
+    rn = timm.create_model("resnet18", num_classes=4).eval()
+    torch.save({"format": "resmlp-ssl", "command": "supervised", "model": rn.state_dict(),
+                "config": {"model": {"name": "resnet18", "img_size": 32}}}, tmp_path / "rn.pth")
+    bb, info = ck.load_backbone(tmp_path / "rn.pth")
+    assert not info["is_resmlp"] and info["head_num_classes"] == 4
+    with torch.no_grad():
+        torch.testing.assert_close(bb(x), rn.forward_head(rn.forward_features(x), pre_logits=True))
+
+
+def test_bad_checkpoints_raise_one_line_user_errors(tmp_path):
+    model = tiny_model()
+    obj = dino_checkpoint(model)
+    del obj["teacher"]["backbone.blocks.1.mlp.fc2.weight"]
+    obj["teacher"]["backbone.blocks.1.extra.weight"] = torch.zeros(3)
+    torch.save(obj, tmp_path / "bad.pth")
+    with pytest.raises(UserError) as e:
+        ck.load_backbone(tmp_path / "bad.pth")
+    msg = str(e.value)
+    assert "missing" in msg and "blocks.1.mlp.fc2.weight" in msg
+    assert "unexpected" in msg and "blocks.1.extra.weight" in msg
+    (tmp_path / "notes.txt").write_text("hello, not a checkpoint\n")
+    torch.save({"foo": 1, "bar": "x"}, tmp_path / "nothing.pth")
+    torch.save({"model": {"fc.weight": torch.zeros(2, 2)}}, tmp_path / "notresmlp.pth")
+    for spec in (tmp_path / "missing.pth", tmp_path / "notes.txt", tmp_path / "nothing.pth",
+                 tmp_path / "notresmlp.pth", tmp_path):
+        with pytest.raises(UserError) as e:
+            ck.load_backbone(spec)
+        assert "\n" not in str(e.value) and str(e.value)
+    with pytest.raises(UserError, match="student"):
+        torch.save({"format": "resmlp-ssl", "teacher": obj["teacher"]}, tmp_path / "t.pth")
+        ck.load_backbone(tmp_path / "t.pth", key="student")
+
+
+# --------------------------------------------------------------------------- feature cache
+
+class FakeImages(torch.utils.data.Dataset):
+    classes = ["a", "b", "c"]
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, 32, 32, generator=g)
+        self.targets = torch.randint(0, 3, (n,), generator=g).tolist()
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        return self.x[i], self.targets[i]
+
+
+def test_feature_cache_reuse_and_keys(tmp_path, monkeypatch):
+    import resmlp.data as rdata
+    from omegaconf import OmegaConf
+    monkeypatch.setattr(rdata, "build_dataset", lambda cfg, split, transform=None:
+                        FakeImages(40 if split == "train" else 24, seed=len(split)))
+    data_cfg = OmegaConf.create({"name": "fake", "root": None, "subset": None, "img_size": 32,
+                                 "crop_ratio": 1.0, "mean": [0.5] * 3, "std": [0.25] * 3})
+    model = tiny_model()
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda x: calls.append(len(x)) or forward(x))
+    info = {"weights_hash": ck.weights_hash(model), "run_dir": str(tmp_path / "run")}
+    lines = []
+    kw = dict(batch_size=16, transform="eval-v1", log=lines.append)
+
+    first = fe.features_for(model, info, data_cfg, "train", **kw)
+    assert sum(calls) == 40 and not first["cached"] and first["features"].shape == (40, 32)
+    assert Path(first["cache"]).parent == tmp_path / "run" / "features"   # default: the run dir
+    second = fe.features_for(model, info, data_cfg, "train", **kw)
+    assert sum(calls) == 40 and second["cached"]                          # no forward at all
+    assert any(line.startswith("features: loaded from cache") for line in lines)
+    assert torch.equal(first["features"], second["features"]) and torch.equal(first["labels"], second["labels"])
+    with torch.no_grad():
+        torch.testing.assert_close(first["features"][:5], model(FakeImages(40, 5).x[:5]))
+
+    paths = {first["cache"]}
+    variants = [dict(split="test"), dict(transform="eval-v2"), dict(n_last_blocks=2),
+                dict(info={**info, "weights_hash": "0" * 16}),
+                dict(data_cfg=OmegaConf.merge(data_cfg, {"subset": 10}))]
+    for v in variants:
+        args = {"info": info, "data_cfg": data_cfg, "split": "train", **kw, **v}
+        out = fe.features_for(model, args.pop("info"), args.pop("data_cfg"), args.pop("split"), **args)
+        assert not out["cached"], v
+        paths.add(out["cache"])
+    assert len(paths) == 1 + len(variants)
+    two = fe.features_for(model, info, data_cfg, "test", **{**kw, "n_last_blocks": 2})
+    assert two["features"].shape == (24, 64)
+    # cache off: extracts again, writes nothing
+    n = sum(calls)
+    off = fe.features_for(model, info, data_cfg, "train", use_cache=False, **kw)
+    assert sum(calls) == n + 40 and off["cache"] is None
+
+
+# --------------------------------------------------------------------------- linear probe
+
+def test_linear_probe_on_separable_features_picks_best_lr():
+    g = torch.Generator().manual_seed(0)
+    centers = 4.0 * torch.randn(5, 16, generator=g)
+    ytr, yte = torch.randint(0, 5, (1000,), generator=g), torch.randint(0, 5, (300,), generator=g)
+    xtr = centers[ytr] + torch.randn(1000, 16, generator=g)
+    xte = centers[yte] + torch.randn(300, 16, generator=g)
+    res = train_linear_on_features(xtr, ytr, xte, yte, 5, lrs=[1e-7, 1e-3, 0.1], epochs=5, batch_size=64)
+    per = {r["lr"]: r["top1"] for r in res["per_lr"]}
+    assert res["top1"] >= 95.0 and res["top1"] == max(per.values())
+    assert per[res["lr"]] == res["top1"] and per[1e-7] < res["top1"]
+    assert res["lr_effective"] == pytest.approx(res["lr"] * 64 / 256)
+    with pytest.raises(UserError):
+        train_linear_on_features(xtr, ytr, xte, yte, 5, lrs=[-1.0], epochs=1)
+
+
+# --------------------------------------------------------------------------- commands
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+@pytest.fixture(scope="module")
+def mini_fmnist(tmp_path_factory):
+    """A small Fashion-MNIST folder cut from the real files (fast, same code paths)."""
+    if not os.path.isdir(FMNIST):
+        pytest.skip("Fashion-MNIST files are not installed")
+    from resmlp.data.fashion_mnist import FILES, _file, read_idx
+    root = tmp_path_factory.mktemp("fmnist")
+    for split, n in (("train", 600), ("test", 200)):
+        for stem in FILES[split]:
+            write_idx(root / stem, read_idx(_file(FMNIST, stem))[:n])
+    return root
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "dino_tiny"
+    run.mkdir()
+    torch.save(dino_checkpoint(tiny_model()), run / "checkpoint.pth")
+    lines = [{"epoch": 0, "iteration": i, "loss": 5.0 - 0.1 * i, "lr": 1e-4 * i} for i in range(1, 6)]
+    lines += [{"epoch": 0, "knn_top1": 41.0}, {"epoch": 1, "iteration": 7, "loss": 4.0}, {"epoch": 1}]
+    (run / "log.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    return run
+
+
+def cli(*args):
+    from resmlp.core.cli import main
+    return main([str(a) for a in args])
+
+
+def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, capsys):
+    common = [f"data.root={mini_fmnist}", "num_workers=0", "device=cpu"]
+    assert cli("linear", run_dir, *common, "linear.epochs=3", f"out={tmp_path}/lin") == 0
+    res = json.loads((tmp_path / "lin" / "linear.json").read_text())
+    assert res["mode"] == "cached" and res["epochs"] == 3 and res["n_train"] == 600 and res["n_test"] == 200
+    assert 0 <= res["top1"] <= res["top5"] <= 100 and len(res["per_lr"]) == 9
+    assert res["top1"] == max(r["top1"] for r in res["per_lr"])
+    assert sorted(p.name.split("-")[0] for p in (run_dir / "features").glob("*.pt")) == ["test", "train"]
+
+    assert cli("knn", run_dir, *common, "k=5,10", "T=0.1") == 0
+    out = capsys.readouterr().out
+    assert "features: loaded from cache" in out                     # the linear run's features
+    assert "DINO protocol: cosine, T=0.1" in out and "200 queries / 600 train" in out
+    knn = json.loads((run_dir / "knn.json").read_text())            # beside the checkpoint
+    assert set(knn["results"]) == {"5", "10"} and knn["protocol"]["temperature"] == 0.1
+    assert 10 < knn["results"]["10"]["top1"] <= 100                 # well above chance (10%)
+
+    # the DINO trainer's online k-NN: same features, same numbers, no cache
+    from resmlp.core.config import load_config
+    from resmlp.eval.knn import online_knn
+    cfg = load_config("knn", None, [f"data.root={mini_fmnist}"])
+    online = online_knn(ck.load_backbone(run_dir)[0], cfg.data, "cpu", ks=[5, 10], temperature=0.1)
+    assert online["knn_k"] == 10 and online["n_train"] == 600
+    assert online["knn_top1"] == pytest.approx(knn["results"]["10"]["top1"])
+
+    assert cli("linear", run_dir, *common, "linear.mode=augmented", "linear.epochs=1",
+               "linear.batch_size=128", f"out={tmp_path}/aug") == 0
+    aug = json.loads((tmp_path / "aug" / "linear.json").read_text())
+    assert aug["mode"] == "augmented" and aug["lr"] == 0.001 and aug["lr_effective"] == 0.0005
+
+    for bad in (["k=0"], ["k=601"], ["T=0"], ["key=middle"]):
+        assert cli("knn", run_dir, *common, *bad) == 2, bad
+    assert cli("knn", run_dir / "nope", *common) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 5 and "k=601 is larger than the train set" in err
+
+
+def test_viz_figures(run_dir, tmp_path):
+    assert cli("viz", run_dir) == 0
+    out = run_dir / "viz"
+    for name in ("cross_patch.png", "sparsity.png", "curves.png", "viz.json"):
+        assert (out / name).stat().st_size > 1000 or name == "viz.json", name
+    v = json.loads((out / "viz.json").read_text())
+    assert v["cross_patch"]["central"] == 4 and v["cross_patch"]["grid"] == [8, 8]
+    for key in ("A", "mlp", "fc1", "fc2"):
+        assert len(v["sparsity"][key]) == 2 and all(0 <= s <= 1 for s in v["sparsity"][key])
+    assert v["curves"]["loss"]["points"] == 6 and v["curves"]["knn_top1"]["last"] == 41.0
+    assert v["curves"]["unreadable_lines"] == 1
+    # a random init is far from sparse: about 5% of a N(0, s) matrix is below 5% of its max
+    assert all(s < 0.3 for s in v["sparsity"]["A"])
+
+    from resmlp.eval.viz import make_figures, sparsity
+    conv = tiny_model(cross_patch="conv3x3")
+    info = {"spec": "conv", "model": "resmlp_s12", "source": "test"}
+    with pytest.raises(UserError, match="cross_patch=conv3x3"):
+        make_figures(conv, info, tmp_path / "conv", log=None)
+    r = make_figures(conv, info, tmp_path / "conv", figures=["sparsity"], log=None)
+    assert r["sparsity"]["A"] == [None, None] and (tmp_path / "conv" / "sparsity.png").exists()
+    # a matrix with 3 of 4 entries tiny is 75% sparse
+    model = tiny_model()
+    with torch.no_grad():
+        model.blocks[0].cross_patch.weight.copy_(torch.tensor([[1.0, 0.01], [0.0, -0.04]]).repeat(32, 32))
+    assert sparsity(model)["A"][0] == pytest.approx(0.75)
+    assert cli("viz", run_dir, "viz.central=9") == 2
