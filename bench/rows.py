@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from resmlp.bench.timing import count_flops, matmul_rate, measure, peak_memory_gb, reset_memory, sync, threads
+from resmlp.bench.timing import (count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb, reset_memory,
+                                 sync, threads)
 
 # One fixed point of the schedules for every timed step (after the frozen-last-layer epoch).
 LR, WD, MOMENTUM, TEACHER_TEMP, EPOCH = 1e-4, 0.04, 0.996, 0.04, 1
@@ -106,7 +107,12 @@ def build_our_step(cfg, device: torch.device, precision: str, compile: bool):
     step = DinoStep(student, teacher, loss_fn, optimizer, scaler, 2 + plan["n_local"],
                     float(cfg.optim.clip_grad), autocast_for(device, precision))
     if compile:
-        step.forward_student, step.forward_teacher = torch.compile(student), torch.compile(teacher)
+        compiled_student, compiled_teacher = torch.compile(student), torch.compile(teacher)
+        # DinoStep calls `(forward_x or x)(...)`; a compiled module has no truth value in
+        # torch 2.14 (it forwards len(), which MultiCropNet lacks), so hand it plain
+        # functions that make the same calls. Harmless once step.py tests `is not None`.
+        step.forward_student = lambda crops: compiled_student(crops)
+        step.forward_teacher = lambda crops: compiled_teacher(crops)
     return step
 
 
@@ -177,12 +183,56 @@ def dino_family(ctx) -> None:
     for model in ctx.models:
         for strategy in p.strategies:
             flops: dict = {}
+            together = bool(p.get("interleave")) and bool(p.reference) and False in list(p.compile)
+            pair: dict = {}
             for comp in p.compile:
                 ident = {"model": model, "strategy": strategy, "impl": "ours compile" if comp else "ours eager"}
-                ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, bool(comp), flops))
+                if together and not comp:
+                    ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, flops, pair))
+                else:
+                    ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, bool(comp), flops))
             if p.reference:
                 ident = {"model": model, "strategy": strategy, "impl": "reference"}
-                ctx.attempt("dino", ident, lambda: _dino_reference(ctx, model, strategy, flops))
+                ctx.attempt("dino", ident, (lambda: _pair_reference(pair)) if together else
+                            (lambda: _dino_reference(ctx, model, strategy, flops)))
+
+
+def _dino_pair(ctx, model, strategy, flops, pair) -> dict:
+    """Ours (eager) and the reference built side by side and timed with alternating
+    repeats (profile key `interleave`: on a shared CPU the ratio then survives the
+    other processes' load). Both need memory at once: off in the gpu profile."""
+    from resmlp.ssl.train import crop_plan
+    p, dev = ctx.p, ctx.device
+    reset_memory(dev)
+    cfg = dino_config(p, model, strategy)
+    plan = crop_plan(cfg)
+    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    ours = build_our_step(cfg, dev, p.precision, False)
+    ref, backbone = build_reference_step(cfg, dev, strategy)
+    last = {}
+
+    def runner(name, step):
+        def one():
+            last[name] = call_step(step, crops)
+        return one
+    times = measure_interleaved({"ours": runner("ours", ours), "ref": runner("ref", ref)}, dev,
+                                int(p.warmup), int(p.steps), int(p.repeats))
+    if not all(torch.isfinite(v).all() for v in last.values()):
+        raise RuntimeError("non-finite loss: the timed steps skipped their updates")
+    flops["flops"] = count_flops(lambda: call_step(ours, crops))
+    n_crops, batch = 2 + plan["n_local"], int(p.batch_size)
+    common = {"batch": batch, "crops": crops_label(plan), "interleaved": True}
+    pair["ref"] = {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "backbone": backbone,
+                   "loss": float(last["ref"]), **common,
+                   **step_fields(times["ref"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
+    return {"precision": p.precision, "loss": float(last["ours"]), **common,
+            **step_fields(times["ours"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
+
+
+def _pair_reference(pair) -> dict:
+    if "ref" not in pair:
+        raise RuntimeError("timed together with the 'ours eager' line, which failed")
+    return pair["ref"]
 
 
 def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
@@ -319,8 +369,8 @@ def e2e_family(ctx) -> None:
         if ctx.attempt("e2e", {**base, "path": "write JPEGs"}, setup)["status"] != "ok":
             return
         ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
-        ctx.attempt("e2e", {**base, "path": "CPU augmentation"}, lambda: _e2e_cpu(ctx, state, workers))
-        ctx.attempt("e2e", {**base, "path": "GPU augmentation"}, lambda: _e2e_gpu(ctx, state, workers))
+        ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e_cpu(ctx, state, workers))
+        ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e_gpu(ctx, state, workers))
     finally:
         state.clear()
         _compile_cleanup(bool(e.compile))
@@ -363,7 +413,8 @@ def _e2e_cpu(ctx, state, workers: int) -> dict:
 
 def _e2e_gpu(ctx, state, workers: int) -> dict:
     from resmlp.data import build_dataset
-    from resmlp.data.gpu_augment import GpuMultiCrop, KeyedDataset, uint8_fixed_size
+    from resmlp.data.gpu_augment import GpuMultiCrop, uint8_fixed_size
+    from resmlp.data.resumable import KeyedDataset
     from resmlp.data.resumable import EpochSampler
     p, e, dev, cfg, plan, step = ctx.p, ctx.p.e2e, ctx.device, state["cfg"], state["plan"], state["step"]
     batch = int(p.batch_size)
@@ -400,14 +451,23 @@ def inference_family(ctx) -> None:
         check: dict = {}
         ctx.attempt("inference", {**ident, "impl": "check: folded ours = timm (fp32)"},
                     lambda: _fold_check(cfg, dims, check))
-        variants = [("timm eager", "timm", False, False), ("timm compile", "timm", False, True),
-                    ("ours eager", "ours", False, False), ("ours folded eager", "ours", True, False),
-                    ("ours folded compile", "ours", True, True)]
-        for name, kind, fold, comp in variants:
-            if comp and not q.compile:
-                continue
-            ctx.attempt("inference", {**ident, "impl": name},
-                        lambda: _infer(ctx, cfg, dims, kind, fold, comp))
+        # the eager ones side by side, repeats alternated; the compiled ones one at a time
+        eager = {"timm eager": ("timm", False), "ours eager": ("ours", False), "ours folded eager": ("ours", True)}
+        timed: dict = {}
+        try:
+            timed.update(_infer_together(ctx, cfg, dims, eager))
+        except Exception as e:  # noqa: BLE001 - reported (with its traceback) on each of its lines
+            timed["failure"] = e
+        for name in eager:
+            def fields(name=name):
+                if name not in timed:
+                    raise timed["failure"]
+                return timed[name]
+            ctx.attempt("inference", {**ident, "impl": name}, fields)
+        if q.compile:
+            for name, kind, fold in (("timm compile", "timm", False), ("ours folded compile", "ours", True)):
+                ctx.attempt("inference", {**ident, "impl": name},
+                            lambda: _infer(ctx, cfg, dims, kind, fold, True))
 
 
 def _fold_check(cfg, dims, check) -> dict:
@@ -430,20 +490,43 @@ def _fold_check(cfg, dims, check) -> dict:
     return {"rel_err": check["rel_err"]}
 
 
-def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
+def _inference_net(ctx, cfg, dims, kind: str, fold: bool):
     from resmlp.bench.reference import timm_resmlp
     from resmlp.models import fold_affine
     from resmlp.models.from_config import build_model
-    q, dev = ctx.p.inference, ctx.device
-    dtype = DTYPES[str(q.dtype)]
-    reset_memory(dev)
     if kind == "timm":
         net = timm_resmlp(dims, 0.0, num_classes=1000)
     else:
         net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
         if fold:
             net = fold_affine(net)
-    net = net.to(dev, dtype).eval()
+    return net.to(ctx.device, DTYPES[str(ctx.p.inference.dtype)]).eval()
+
+
+def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
+    """Eager inference of several networks, timed with alternating repeats: {name: fields}."""
+    q, dev = ctx.p.inference, ctx.device
+    reset_memory(dev)
+    x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=DTYPES[str(q.dtype)])
+    nets = {name: _inference_net(ctx, cfg, dims, kind, fold) for name, (kind, fold) in variants.items()}
+
+    def runner(net):
+        def call():
+            with torch.inference_mode():
+                net(x)
+        return call
+    times = measure_interleaved({n: runner(net) for n, net in nets.items()}, dev, int(q.warmup), int(q.steps),
+                                int(q.repeats))
+    mem = peak_memory_gb(dev)
+    return {n: {"images_per_s": int(q.batch_size) / t.seconds, "ms": 1e3 * t.seconds, "first_s": t.first_s,
+                "spread": t.spread, "mem_gb": mem, "interleaved": True} for n, t in times.items()}
+
+
+def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
+    q, dev = ctx.p.inference, ctx.device
+    dtype = DTYPES[str(q.dtype)]
+    reset_memory(dev)
+    net = _inference_net(ctx, cfg, dims, kind, fold)
     fwd = torch.compile(net) if comp else net
     x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=dtype)
 
@@ -482,8 +565,8 @@ def _knn_one(ctx, backend: str, data) -> dict:
     on_gpu = dev.type == "cuda"
     if backend == "torch":
         where, name = dev, "torch"
-    elif backend == "torch-raw":
-        return _knn_raw(ctx, train, test)
+    elif backend in ("torch-raw", "torch-raw-bf16"):
+        return _knn_raw(ctx, train, test, torch.bfloat16 if backend.endswith("bf16") else torch.float32)
     elif backend in ("faiss-gpu", "faiss-cpu"):
         try:
             import faiss  # noqa: F401
@@ -499,7 +582,8 @@ def _knn_one(ctx, backend: str, data) -> dict:
         else:
             where, name = torch.device("cpu"), "faiss"
     else:
-        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-raw, faiss-gpu, faiss-cpu")
+        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-raw, torch-raw-bf16, "
+                         f"faiss-gpu, faiss-cpu")
     from resmlp.eval.knn import knn_classify
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where)  # warm up
@@ -514,14 +598,15 @@ def _knn_one(ctx, backend: str, data) -> dict:
             "queries_per_s": n / sec, "top1": top1, "mem_gb": peak_memory_gb(dev)}
 
 
-def _knn_raw(ctx, train, test) -> dict:
-    """The floor of the search alone: unit features on the device, chunked fp32 matmul +
-    topk, no exact re-ranking, no labels (what knn_search's first pass costs at best)."""
+def _knn_raw(ctx, train, test, dtype) -> dict:
+    """The floor of the search alone: unit features already on the device, chunked matmul
+    + topk in `dtype`, no exact re-ranking, no votes (what knn_search's candidate pass
+    costs at best; bf16 candidates would need a wider margin before the exact re-rank)."""
     k, dev = ctx.p.knn, ctx.device
     reset_memory(dev)
     n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
-    tr = torch.nn.functional.normalize(train.to(dev), dim=1)
-    te = torch.nn.functional.normalize(test[:n].to(dev), dim=1)
+    tr = torch.nn.functional.normalize(train.to(dev), dim=1).to(dtype)
+    te = torch.nn.functional.normalize(test[:n].to(dev), dim=1).to(dtype)
     rows = max(1, min(4096, (1 << 30) // (4 * tr.shape[0])))
 
     def search():
@@ -530,14 +615,14 @@ def _knn_raw(ctx, train, test) -> dict:
     t = measure(search, dev, warmup=1, calls=1, repeats=2)
     return {"device": dev.type, "queries": n, "seconds": t.seconds, "seconds_full": t.seconds * test.shape[0] / n,
             "queries_per_s": n / t.seconds, "mem_gb": peak_memory_gb(dev),
-            "note": "fp32 matmul+topk on the device, features already there; no exact re-rank"}
+            "note": f"{str(dtype).replace('torch.', '')} matmul+topk, features on the device, no exact re-rank"}
 
 
 # --------------------------------------------------------------------------- augmentation
 
 def aug_family(ctx) -> None:
     from resmlp.data import build_multicrop_transform
-    from resmlp.data.gpu_augment import uint8_fixed_size
+    from resmlp.data.gpu_augment import GpuMultiCrop, uint8_fixed_size
     from resmlp.data.transforms import mean_std
     from resmlp.ssl.train import crop_plan
     a, p = ctx.p.aug, ctx.p
@@ -549,28 +634,53 @@ def aug_family(ctx) -> None:
     images = [synthetic_image(int(w), int(h), i) for i, (w, h) in enumerate(sides)]
     few = images[:max(1, int(a.cpu_images))]
     label = crops_label(plan)
+    fixed = uint8_fixed_size(int(a.fixed_size))
+    batch = torch.stack([fixed(im) for im in images[:int(a.batch_size)]])
+
+    # Per CPU core: every transform on the same images, timed in alternating repeats.
+    per_core = {}   # key -> (identity, callable over the images, number of images)
     ours = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
                                      plan["global_scale"], plan["local_scale"])
-    ctx.attempt("aug", {"impl": "ours CPU (build_multicrop_transform)", "where": "cpu", "threads": 1, "crops": label},
-                lambda: _per_image(ours, few))
-
-    def lightly_rate():
+    per_core["ours"] = ({"impl": "ours CPU (build_multicrop_transform)", "crops": label}, _over(ours, few), len(few))
+    try:
         need_lightly()
         from lightly.transforms import DINOTransform
-        t = DINOTransform(global_crop_size=plan["global_size"], global_crop_scale=plan["global_scale"],
-                          local_crop_size=plan["local_size"], local_crop_scale=plan["local_scale"],
-                          n_local_views=plan["n_local"], normalize={"mean": list(mean), "std": list(std)})
-        return _per_image(t, few)
-    ctx.attempt("aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, lightly_rate)
-    fixed = uint8_fixed_size(int(a.fixed_size))
-    ctx.attempt("aug", {"impl": f"uint8_fixed_size({int(a.fixed_size)}) (GPU path's loader side)", "where": "cpu",
-                        "threads": 1, "crops": "-"}, lambda: _per_image(fixed, few))
-    batch = torch.stack([fixed(im) for im in images[:int(a.batch_size)]])
+        lightly_t = DINOTransform(global_crop_size=plan["global_size"], global_crop_scale=plan["global_scale"],
+                                  local_crop_size=plan["local_size"], local_crop_scale=plan["local_scale"],
+                                  n_local_views=plan["n_local"], normalize={"mean": list(mean), "std": list(std)})
+        per_core["lightly"] = ({"impl": "lightly DINOTransform", "crops": label}, _over(lightly_t, few), len(few))
+    except Skip as e:
+        reason = str(e)
+
+        def skipped():
+            raise Skip(reason)
+        ctx.attempt("aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, skipped)
+    per_core["fixed"] = ({"impl": f"uint8_fixed_size({int(a.fixed_size)}) (GPU path's loader side)", "crops": "-"},
+                         _over(fixed, few), len(few))
     for interp in a.interpolation:
-        ident = {"impl": f"GpuMultiCrop {interp} eager", "where": "cpu", "threads": 1, "crops": label}
-        ctx.attempt("aug", ident, lambda: _gpu_aug_rate(ctx, plan, cfg, batch, str(interp), False,
-                                                         torch.device("cpu"), n_threads=1))
-        if ctx.device.type == "cuda":
+        aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(interp))
+        xb = batch[:len(few)]
+        per_core[f"gpu_{interp}"] = ({"impl": f"GpuMultiCrop {interp} eager", "crops": label},
+                                     lambda aug=aug, xb=xb: aug(xb, seed=0), len(xb))
+    timed: dict = {}
+    failure: Exception | None = None
+    try:
+        with threads(1):
+            torch.manual_seed(0)
+            timed.update(measure_interleaved({k: v[1] for k, v in per_core.items()}, torch.device("cpu"),
+                                             warmup=1, calls=1, repeats=max(3, int(p.repeats))))
+    except Exception as e:  # noqa: BLE001 - reported on every line below
+        failure = e
+    for key, (ident, _, n) in per_core.items():
+        def fields(key=key, n=n):
+            if key not in timed:
+                raise failure
+            t = timed[key]
+            return {"images_per_s": n / t.seconds, "per_core": True, "spread": t.spread, "interleaved": True}
+        ctx.attempt("aug", {**ident, "where": "cpu", "threads": 1}, fields)
+
+    if ctx.device.type == "cuda":
+        for interp in a.interpolation:
             for comp in a.device_compile:
                 ident = {"impl": f"GpuMultiCrop {interp} {'compile' if comp else 'eager'}", "where": "cuda",
                          "threads": None, "crops": label}
@@ -578,15 +688,11 @@ def aug_family(ctx) -> None:
                                                                  ctx.device))
 
 
-def _per_image(transform, images) -> dict:
-    with threads(1):
-        torch.manual_seed(0)
-
-        def all_images():
-            for im in images:
-                transform(im)
-        t = measure(all_images, torch.device("cpu"), warmup=1, calls=1, repeats=3)
-    return {"images_per_s": len(images) / t.seconds, "per_core": True, "spread": t.spread}
+def _over(transform, images):
+    def all_images():
+        for im in images:
+            transform(im)
+    return all_images
 
 
 def _gpu_aug_rate(ctx, plan, cfg, batch_u8, interp: str, comp: bool, device, n_threads=None) -> dict:
@@ -595,8 +701,9 @@ def _gpu_aug_rate(ctx, plan, cfg, batch_u8, interp: str, comp: bool, device, n_t
     x = batch_u8.to(device)
     reset_memory(device)
     try:
+        calls = 1 if device.type == "cpu" else int(ctx.p.steps)
         with threads(n_threads):
-            t = measure(lambda: aug(x, seed=0), device, warmup=2 if comp else 1, calls=int(ctx.p.repeats),
+            t = measure(lambda: aug(x, seed=0), device, warmup=2 if comp else 1, calls=calls,
                         repeats=int(ctx.p.repeats))
     finally:
         _compile_cleanup(comp)

@@ -55,6 +55,34 @@ def measure(fn, device: torch.device, warmup: int = 2, calls: int = 5, repeats: 
     return Timing(statistics.median(per_call), first, warm, per_call)
 
 
+def measure_interleaved(fns: dict, device: torch.device, warmup: int = 2, calls: int = 5,
+                        repeats: int = 3) -> dict:
+    """measure() for several functions whose repeats alternate (A B A B ...), so that a
+    slow drift of the machine (other processes on a shared CPU) hits all of them alike
+    and their ratio stays meaningful. Returns {name: Timing}."""
+    first, warm, per_call = {}, {}, {name: [] for name in fns}
+    for name, fn in fns.items():
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        first[name] = time.perf_counter() - t0
+        for _ in range(max(0, warmup - 1)):
+            fn()
+        sync(device)
+        warm[name] = time.perf_counter() - t0
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(max(1, calls)):
+                fn()
+            sync(device)
+            per_call[name].append((time.perf_counter() - t) / max(1, calls))
+    return {name: Timing(statistics.median(per_call[name]), first[name], warm[name], per_call[name])
+            for name in fns}
+
+
 def reset_memory(device: torch.device) -> None:
     """Free what the previous row left and restart the peak counter."""
     gc.collect()

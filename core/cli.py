@@ -117,8 +117,11 @@ def build(argv: list[str]):
             for a in rest:
                 if a.startswith("model="):
                     model = a.split("=", 1)[1]
-            model = model or "resmlp_s12"
-        check_model(model, name)
+            if model is None and name == "bench":
+                pass  # the benchmark's own model list applies
+            else:
+                model = model or "resmlp_s12"
+                check_model(model, name)
     elif cmd.positional == "checkpoint":
         if positional is None:
             raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} <checkpoint | run dir | timm:<name>>")

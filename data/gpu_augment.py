@@ -58,7 +58,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from resmlp.core.errors import UserError
 from resmlp.data.multicrop import DINO_JITTER, DINO_SIGMA_AT_224, blur_kernel_size
@@ -131,7 +130,7 @@ def crop_boxes(u: torch.Tensor, height: int, width: int, scale, ratio):
     ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
     top = torch.minimum(torch.floor(u[:, _TOP:_TOP + _ATTEMPTS] * (height - h + 1)), height - h)
     left = torch.minimum(torch.floor(u[:, _LEFT:_LEFT + _ATTEMPTS] * (width - w + 1)), width - w)
-    first = ok.to(torch.uint8).argmax(dim=1, keepdim=True)  # first successful attempt
+    first = ok.float().argmax(dim=1, keepdim=True)  # first successful attempt
 
     def pick(t):
         return t.gather(1, first).squeeze(1)
@@ -191,20 +190,28 @@ def resample_matrix(start: torch.Tensor, length: torch.Tensor, size_in: int, siz
 
 def blur_matrix(sigma: torch.Tensor, apply: torch.Tensor, size: int, radius: int) -> torch.Tensor:
     """(N, size, size) banded matrices of a 1-D Gaussian blur with per-sample sigma and
-    reflect padding; identity where `apply` is False. Row i holds the weights of output i."""
+    reflect padding (torchvision's); identity where `apply` is False.
+
+    Entry (i, j) sums the taps t that land on pixel j from output i: t = j - i directly,
+    t = -(i + j) reflected off the left edge (j > 0) and t = 2(size - 1) - i - j off the
+    right edge (j < size - 1); radius <= size - 1 keeps it to one reflection. Built by
+    gathers, no atomic adds: the same bits on every run."""
     dev = sigma.device
-    radius = max(0, min(radius, size - 1))
-    taps = torch.arange(-radius, radius + 1, device=dev)
-    g = torch.exp(-0.5 * (taps.float().view(1, -1) / sigma.view(-1, 1)) ** 2)
+    r = max(0, min(radius, size - 1))
+    taps = torch.arange(-r, r + 1, device=dev, dtype=torch.float32)
+    g = torch.exp(-0.5 * (taps.view(1, -1) / sigma.view(-1, 1)) ** 2)
     g = g / g.sum(dim=1, keepdim=True)
-    delta = (taps == 0).float().view(1, -1)
-    g = torch.where(apply.view(-1, 1), g, delta)
-    idx = torch.arange(size, device=dev).view(-1, 1) + taps.view(1, -1)   # (size, taps)
-    idx = torch.where(idx < 0, -idx, idx)
-    idx = torch.where(idx > size - 1, 2 * (size - 1) - idx, idx)
-    n = sigma.shape[0]
-    out = torch.zeros(n, size, size, device=dev, dtype=torch.float32)
-    return out.scatter_add_(2, idx.expand(n, -1, -1), g.view(n, 1, -1).expand(-1, size, -1))
+    g = torch.where(apply.view(-1, 1), g, (taps == 0).float().view(1, -1))          # (N, 2r + 1)
+    i = torch.arange(size, device=dev).view(-1, 1)
+    j = torch.arange(size, device=dev).view(1, -1)
+    out = None
+    for t, valid in ((j - i, None), (-(i + j), j > 0), (2 * (size - 1) - i - j, j < size - 1)):
+        ok = t.abs() <= r
+        if valid is not None:
+            ok = ok & valid
+        term = g[:, (t.clamp(-r, r) + r).reshape(-1)].view(-1, size, size) * ok
+        out = term if out is None else out + term
+    return out
 
 
 # --------------------------------------------------------------------------- color
@@ -256,7 +263,7 @@ def color_jitter(x: torch.Tensor, u: torch.Tensor, strength, prob: float) -> tor
     factors = torch.stack([lo + (hi - lo) * u[:, _JFAC + k] for k, (lo, hi) in enumerate(ranges)], dim=1)
     shift = torch.where(apply, -hue + 2 * hue * u[:, _JFAC + 3], 0.0)
     order = u[:, _JORD:_JORD + 4].argsort(dim=1)           # order[:, k] = op at position k
-    hue_pos = (order == 3).to(torch.uint8).argmax(dim=1)
+    hue_pos = (order == 3).float().argmax(dim=1)
     for k in range(3):  # a blend at position 3 always comes after the hue op
         op = order[:, k]
         x = _blend_step(x, op, apply & (op != 3) & (k < hue_pos), factors)
@@ -342,6 +349,7 @@ class GpuMultiCrop:
         # torch.compile fuses the ~60 elementwise passes of the photometric stage into a
         # few kernels (one compile per crop size; the first call pays it).
         self._compiled = torch.compile(photometric, dynamic=False) if compile else None
+        self._stats: dict = {}
 
     @classmethod
     def from_plan(cls, plan: dict, data_cfg, **kwargs) -> "GpuMultiCrop":
@@ -413,9 +421,10 @@ class GpuMultiCrop:
 
     def _photometric(self, x, u, blur_p, sol_p) -> torch.Tensor:
         """(N, S, 3, S) crops in [0, 1] -> contiguous (N, 3, S, S) out_dtype."""
-        dev = x.device
-        mean = torch.tensor(self.mean, device=dev)
-        inv_std = torch.tensor([1 / s for s in self.std], device=dev)
+        if x.device not in self._stats:  # one host-to-device copy per device, not per call
+            self._stats[x.device] = (torch.tensor(self.mean, device=x.device),
+                                     torch.tensor([1 / s for s in self.std], device=x.device))
+        mean, inv_std = self._stats[x.device]
         fn = self._compiled if self._compiled is not None else photometric
         y = fn(x, u, blur_p, sol_p, mean, inv_std, jitter=self.jitter, jitter_prob=self.jitter_prob,
                gray_prob=self.gray_prob, sigma=self.blur_sigma, radius=self.blur_kernel // 2,
@@ -460,21 +469,3 @@ def uint8_fixed_size(size: int):
         raise UserError(f"uint8_fixed_size needs size >= 1, got {size}")
     return _Uint8FixedSize(size)
 
-
-class KeyedDataset(torch.utils.data.Dataset):
-    """(dataset[index] with `transform`, label, key) for keys `epoch * len + index` as the
-    EpochSampler (resumable.py) yields them. Pass the keys to GpuMultiCrop so that every
-    sample's augmentation depends only on (seed, epoch, index)."""
-
-    def __init__(self, dataset, transform=None):
-        self.dataset, self.transform = dataset, transform
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: int):
-        _, index = divmod(int(key), len(self.dataset))
-        image, label = self.dataset[index]
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, label, int(key)

@@ -78,11 +78,32 @@ class SeededTransform(Dataset):
         return self.transform(image), label
 
 
+class KeyedDataset(Dataset):
+    """(transform(image), label, key) for keys `epoch * len + index` as EpochSampler yields
+    them: for augmentation done later on whole batches (data/gpu_augment.py), which seeds
+    each sample from its key."""
+
+    def __init__(self, dataset, transform=None):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: int):
+        _, index = divmod(int(key), len(self.dataset))
+        image, label = self.dataset[index]
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, label, int(key)
+
+
 def build_train_loader(dataset, transform, batch_size: int, seed: int, num_workers: int,
-                       pin_memory: bool = False) -> tuple[DataLoader, EpochSampler]:
-    """A loader over `SeededTransform(dataset)`; call `sampler.set_epoch(epoch, start_batch)`."""
+                       pin_memory: bool = False, keyed: bool = False) -> tuple[DataLoader, EpochSampler]:
+    """A loader over `SeededTransform(dataset)` (or `KeyedDataset` with keyed=True, for a
+    batch augmentation stage); call `sampler.set_epoch(epoch, start_batch)` every epoch."""
     sampler = EpochSampler(len(dataset), batch_size, seed=seed)
-    loader = DataLoader(SeededTransform(dataset, transform, seed), batch_size=batch_size,
+    wrapped = KeyedDataset(dataset, transform) if keyed else SeededTransform(dataset, transform, seed)
+    loader = DataLoader(wrapped, batch_size=batch_size,
                         sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                         drop_last=True, persistent_workers=num_workers > 0,
                         prefetch_factor=4 if num_workers > 0 else None)

@@ -30,7 +30,11 @@ class MultiCropNet(nn.Module):
 
 def build_head(in_dim: int, dino_cfg) -> nn.Module:
     """lightly's DINO head: 3-layer MLP, bottleneck, L2-normalized weight-normed last layer."""
+    import warnings
+
     from lightly.models.modules import DINOProjectionHead
-    return DINOProjectionHead(in_dim, dino_cfg.hidden_dim, dino_cfg.bottleneck_dim, dino_cfg.out_dim,
-                              batch_norm=False, freeze_last_layer=dino_cfg.freeze_last_layer,
-                              norm_last_layer=dino_cfg.norm_last_layer)
+    with warnings.catch_warnings():  # lightly still uses torch's old weight_norm
+        warnings.simplefilter("ignore", FutureWarning)
+        return DINOProjectionHead(in_dim, dino_cfg.hidden_dim, dino_cfg.bottleneck_dim, dino_cfg.out_dim,
+                                  batch_norm=False, freeze_last_layer=dino_cfg.freeze_last_layer,
+                                  norm_last_layer=dino_cfg.norm_last_layer)

@@ -36,8 +36,10 @@ class DinoStep:
             if g.get("name") == "decay":
                 g["weight_decay"] = weight_decay
         with self.autocast():
-            t_out = (self.forward_teacher or self.teacher)(crops[:2])
-            s_out = (self.forward_student or self.student)(crops)
+            teacher = self.teacher if self.forward_teacher is None else self.forward_teacher
+            student = self.student if self.forward_student is None else self.forward_student
+            t_out = teacher(crops[:2])
+            s_out = student(crops)
         # The loss in fp32: a softmax over 65536 prototypes is not for bf16.
         center = self.loss_fn.center.detach().clone()
         loss = self.loss_fn(list(t_out.float().chunk(2)), list(s_out.float().chunk(self.n_crops)),

@@ -20,6 +20,7 @@ from resmlp.core.errors import UserError
 from resmlp.core.optim import param_groups
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, build_multicrop_transform, num_classes, train_split_for_ssl
+from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
 from resmlp.data.resumable import build_train_loader
 from resmlp.models.from_config import build_model
 from resmlp.ssl.health import collapse_warning, teacher_stats
@@ -34,6 +35,8 @@ KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
 def crop_plan(cfg) -> dict:
     """Sizes, counts and scales of the crops for the chosen local-crop strategy."""
     d = cfg.dino
+    if d.augment not in ("device", "workers"):
+        raise UserError(f"dino.augment={d.augment!r} is not one of device, workers")
     if d.local_crops not in STRATEGIES:
         raise UserError(f"dino.local_crops={d.local_crops!r} is not one of {', '.join(STRATEGIES)}")
     g = cfg.data.img_size
@@ -104,18 +107,26 @@ def train(cfg):
     demo = bool(cfg.demo)
     run = Run(cfg)
     if demo:
-        run.print("CPU demo: a small ResMLP (dim 128, depth 4) on 4000 Fashion-MNIST images for 4 epochs, "
+        run.print(f"CPU demo: a small ResMLP (dim {cfg.model.dim}, depth {cfg.model.depth}) on {cfg.data.subset} "
+                  f"{cfg.data.name} images for {cfg.epochs} epochs, "
                   "to show the pipeline learns. The real run needs a GPU: on one, `bash run.sh dino "
                   "resmlp_s12` trains the full preset; demo=false forces it here.")
     device = run.device
 
     # ---- data: multi-crop views of the training split -----------------------------------
+    # augment=device: workers only decode to a uint8 square; the crops and the photometric
+    # augmentations run on whole batches on the device (the CPU cannot keep up with a GPU).
     plan = crop_plan(cfg)
-    transform = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
-                                          plan["global_scale"], plan["local_scale"])
+    on_device = cfg.dino.augment == "device"
+    if on_device:
+        batch_augment = GpuMultiCrop.from_plan(plan, cfg.data)
+        transform = uint8_fixed_size(default_fixed_size(plan["global_size"]))
+    else:
+        transform = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
+                                              plan["global_scale"], plan["local_scale"])
     dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
     loader, sampler = build_train_loader(dataset, transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
-                                         pin_memory=device.type == "cuda")
+                                         pin_memory=device.type == "cuda", keyed=on_device)
     ipe = sampler.batches_per_epoch
     n_crops = 2 + plan["n_local"]
 
@@ -178,8 +189,12 @@ def train(cfg):
         epoch_entropy, t0, seen_since = [], time.time(), 0
         bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
                        enabled=run.interactive)
-        for crops, _ in bar:
-            crops = [c.to(device, non_blocking=True) for c in crops]
+        for batch in bar:
+            if on_device:
+                images, _, keys = batch
+                crops = batch_augment(images.to(device, non_blocking=True), seed=cfg.seed, keys=keys.to(device))
+            else:
+                crops = [c.to(device, non_blocking=True) for c in batch[0]]
             loss, t_out, center = step(crops, lr_sched[it], wd_sched[it], m_sched[it], t_sched[it], epoch)
             run.check_finite(loss, f"epoch {epoch + 1}, iteration {it + 1}")
             it += 1

@@ -150,11 +150,11 @@ def load_teacher(spec: str, num_classes: int, data_name: str, img_size: int, dev
                         "use a teacher trained on this dataset")
     info = {"spec": spec, "model": name, "params": sum(p.numel() for p in model.parameters())}
     if not spec.startswith("timm:"):
-        cfg_file = Path(resolve_checkpoint_path(spec)).parent / "results.json"
-        if cfg_file.exists():
+        res_file = Path(resolve_checkpoint_path(spec)).parent / "results.json"
+        if res_file.exists():
             import json
             try:
-                res = json.loads(cfg_file.read_text())
+                res = json.loads(res_file.read_text())
                 info["top1"] = res.get("top1")
             except (OSError, ValueError):
                 pass

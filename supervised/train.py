@@ -208,10 +208,9 @@ def build_test_loader(cfg, run):
 # ---- the command -----------------------------------------------------------------------------
 
 DEMO_TEXT = {
-    "supervised": "a small {m} (dim {d}, depth {k}) on {n} Fashion-MNIST images for {e} epochs, with the full "
-                  "DeiT/ResMLP recipe",
-    "distill": "a small {m} (dim {d}, depth {k}) distilled on {n} images for {e} epochs",
-    "finetune": "fine-tuning {m} on {n} images for {e} epochs",
+    "supervised": "a small {m} on {n} training images for {e} epochs",
+    "distill": "a small {m} distilled on {n} training images for {e} epochs",
+    "finetune": "fine-tuning {m} on {n} training images for {e} epochs",
 }
 
 
@@ -219,14 +218,27 @@ def train(cfg):
     """Train as cfg.command says; return (run, model, results). `run(cfg)` is the CLI entry."""
     if cfg.command not in COMMANDS:
         raise UserError(f"resmlp.supervised.train serves {', '.join(COMMANDS)}, not {cfg.command!r}")
+    if cfg.command == "distill" and not cfg.distill.teacher:
+        raise UserError("distill needs a teacher: teacher=<run dir | checkpoint | timm:<name>>")
+    if cfg.command == "finetune" and not cfg.checkpoint:
+        raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
     demo = bool(cfg.demo)
     run = Run(cfg)
     device = run.device
     if demo:
-        what = DEMO_TEXT[cfg.command].format(m=cfg.model.name, d=cfg.model.dim, k=cfg.model.depth,
-                                             n=cfg.data.subset or "all", e=cfg.epochs)
-        run.print(f"CPU demo: {what}, to show the pipeline learns. The real run needs a GPU: on one, "
-                  f"`bash run.sh {cfg.command} ...` trains the full preset; demo=false forces it here.")
+        from resmlp.models import list_models
+        size = (f" (dim {cfg.model.dim}, depth {cfg.model.depth})"
+                if cfg.model.name in list_models() and cfg.model.dim else "")
+        what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=cfg.data.subset or "all", e=cfg.epochs)
+        a = cfg.aug
+        light = not a.auto_augment and not (a.mixup or a.cutmix)
+        run.print(f"CPU demo: {what}, to show the pipeline learns"
+                  + (f"; the recipe is lightened for so few epochs (lr {cfg.optim.lr:g} for batch "
+                     f"{cfg.optim.lr_batch}, weight decay {cfg.optim.weight_decay:g}, no RandAugment / mixup / "
+                     f"cutmix: they pay off only over long schedules; see configs/method/{cfg.command}.yaml)"
+                     if light else "")
+                  + f". The real run needs a GPU: on one, `bash run.sh {cfg.command} ...` trains the full preset; "
+                  "demo=false forces it here.")
 
     # ---- data: augmented training split, plain test split ---------------------------------
     n_classes = num_classes(cfg.data)

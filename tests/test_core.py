@@ -53,7 +53,8 @@ def test_config_merges_method_model_data_and_overrides():
     assert cfg.epochs == 3 and cfg.data.subset == 100
     assert cfg.data.name == "fashion_mnist"            # the embedded default
     assert cfg.model.img_size == cfg.data.img_size      # follows the dataset
-    assert cfg.dino.out_dim == 65536                     # method file
+    assert cfg.dino.student_temp == 0.1                  # method file
+    assert cfg.dino.out_dim == 16384                     # recipe/dino_fashion_mnist.yaml
 
 
 def test_data_selector_picks_dataset_file():
@@ -80,7 +81,7 @@ def test_bad_value_and_bad_argument_and_unknown_data():
 
 def test_demo_overrides_yield_to_command_line():
     cfg = load_config("dino", "resmlp_s12", ["demo=true", "epochs=2"])
-    assert cfg.demo is True and cfg.epochs == 2 and cfg.model.dim == 128
+    assert cfg.demo is True and cfg.epochs == 2 and cfg.model.dim == 64
     cfg = load_config("dino", "resmlp_s12", ["demo=false"])
     assert cfg.demo is False and cfg.model.dim is None
 

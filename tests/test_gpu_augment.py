@@ -12,7 +12,8 @@ from torchvision.transforms.v2 import functional as TF
 
 from resmlp.core.errors import UserError
 from resmlp.data import build_multicrop_transform
-from resmlp.data.gpu_augment import (GpuMultiCrop, KeyedDataset, _blend_step, adjust_hue, augment_seed,
+from resmlp.data.resumable import KeyedDataset
+from resmlp.data.gpu_augment import (GpuMultiCrop, _blend_step, adjust_hue, augment_seed,
                                      blur_matrix, counter_uniforms, crop_boxes, uint8_fixed_size)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -1,0 +1,404 @@
+"""`bash run.sh bench [model] [key=value ...]`: throughput benchmarks in one process.
+
+Rows (bench.rows): dino, e2e, inference, knn, aug (the measured matmul peak always runs
+first). Sizes come from one profile of configs/method/bench.yaml: gpu (the real models at
+224 px), cpu (a small ResMLP at 64 px: what this machine can say) or tiny (the test's,
+seconds on a CPU); bench.profile=auto picks gpu when CUDA is visible. Prints one table
+per row family and a summary against the goals, and writes <out>/bench.json (out
+defaults to runs/bench). A line that fails prints its error in its table and the
+others still run; the exit code is then 1. bench/NOTES.md: method, predictions, and the
+commands for a GPU machine.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from resmlp.bench import rows as R
+from resmlp.core import dist
+from resmlp.core.config import as_list, to_dict
+from resmlp.core.errors import UserError
+
+PROFILES = ("auto", "gpu", "cpu", "tiny")
+FAMILIES = {"dino": R.dino_family, "e2e": R.e2e_family, "inference": R.inference_family,
+            "knn": R.knn_family, "aug": R.aug_family}
+DEFAULT_MODEL = "resmlp_s12"  # what the CLI fills in when no model is given
+GOALS = {"dino_vs_reference": 3.0, "pct_of_peak": 40.0, "e2e_vs_synthetic": 0.8,
+         "inference_vs_timm": 1.5, "knn_seconds": 2.0}
+
+
+@dataclass
+class Context:
+    device: torch.device
+    profile: str
+    p: object                  # the profile's settings (DictConfig)
+    models: list
+    explicit_models: bool
+    seed: int = 0
+    peak_tflops: float | None = None
+    results: list = field(default_factory=list)
+    deadline: float | None = None      # time.perf_counter() after which lines are skipped
+    on_row: object = None              # called after each line (writes the partial bench.json)
+
+    def inference_models(self) -> list:
+        return self.models if self.explicit_models else list(self.p.inference.models)
+
+    def attempt(self, family: str, ident: dict, fn) -> dict:
+        """Run fn() -> fields; record a line with status ok / skipped / error."""
+        t0 = time.perf_counter()
+        try:
+            if self.deadline is not None and t0 > self.deadline:
+                raise R.Skip("bench.time_limit_s reached before this line")
+            row = {"row": family, **ident, "status": "ok", **(fn() or {})}
+        except R.Skip as e:
+            row = {"row": family, **ident, "status": "skipped", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - one line fails, the bench goes on
+            traceback.print_exc(file=sys.stderr)
+            msg = " ".join(str(e).split())[:300]
+            row = {"row": family, **ident, "status": "error", "error": f"{type(e).__name__}: {msg}"}
+            R.reset_memory(self.device)
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        self.results.append(row)
+        print(f"[bench] {progress_line(row)}", flush=True)
+        if self.on_row is not None:
+            self.on_row()
+        return row
+
+
+def progress_line(row: dict) -> str:
+    who = " ".join(str(row[k]) for k in ("model", "strategy", "backend", "impl", "path") if row.get(k) is not None)
+    if row["status"] != "ok":
+        return f"{row['row']}: {who}: {row['status'].upper()} {row.get('error') or row.get('reason')}"
+    for key, unit in (("images_per_s", "img/s"), ("tflops", "TFLOP/s"), ("seconds", "s"), ("rel_err", "rel err")):
+        if row.get(key) is not None:
+            return f"{row['row']}: {who}: {row[key]:.4g} {unit} ({row['wall_s']:.1f} s)"
+    return f"{row['row']}: {who}: ok ({row['wall_s']:.1f} s)"
+
+
+# --------------------------------------------------------------------------- setup
+
+def choose(cfg) -> tuple[str, torch.device]:
+    profile = str(cfg.bench.profile)
+    if profile not in PROFILES:
+        raise UserError(f"bench.profile={profile!r} is not one of {', '.join(PROFILES)}")
+    cuda = torch.cuda.is_available()
+    if profile == "auto":
+        profile = "gpu" if cuda else "cpu"
+    requested = str(cfg.device)
+    if requested == "auto":
+        requested = "cuda" if profile == "gpu" else "cpu"
+    if profile == "gpu" and requested != "cuda":
+        raise UserError("bench.profile=gpu measures a GPU; use device=auto or cuda (or bench.profile=cpu)")
+    if requested == "cuda" and not cuda:
+        raise UserError("no CUDA GPU is visible: use bench.profile=cpu (or auto) on this machine")
+    return profile, dist.pick_device(requested)
+
+
+def choose_models(cfg, p) -> tuple[list, bool]:
+    if cfg.bench.models:
+        return [str(m) for m in as_list(cfg.bench.models)], True
+    if cfg.model.name != DEFAULT_MODEL:
+        return [str(cfg.model.name)], True
+    return [str(m) for m in p.models], False
+
+
+def machine_info(device: torch.device) -> dict:
+    def version(*names):
+        for n in names:
+            try:
+                return metadata.version(n)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "torchvision": version("torchvision"), "timm": version("timm"), "lightly": version("lightly"),
+            "faiss": version("faiss-gpu", "faiss-cpu", "faiss-gpu-cu12", "faiss"),
+            "cpu_cores": R.cores(), "cpu": _cpu_name(), "device": str(device),
+            "torch_threads": torch.get_num_threads(),
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    gpu_memory_gb=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,clocks.max.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = out.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            info["nvidia_smi"] = None
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------- summary
+
+def _ok(results, family, **match):
+    return [r for r in results if r["row"] == family and r["status"] == "ok"
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+def add_ratios(results: list) -> None:
+    """vs_ref on dino lines (same model and strategy), vs_timm on inference lines,
+    vs_lightly on augmentation lines."""
+    for r in _ok(results, "dino"):
+        if r["impl"] != "reference":
+            ref = _ok(results, "dino", model=r["model"], strategy=r["strategy"], impl="reference")
+            r["vs_ref"] = r["images_per_s"] / ref[0]["images_per_s"] if ref else None
+            resize = _ok(results, "dino", model=r["model"], strategy="resize", impl="reference")
+            r["vs_ref_resize"] = r["images_per_s"] / resize[0]["images_per_s"] if resize else None
+    for r in _ok(results, "inference"):
+        if "images_per_s" in r:
+            base = _ok(results, "inference", model=r["model"], impl="timm eager")
+            r["vs_timm_eager"] = r["images_per_s"] / base[0]["images_per_s"] if base else None
+    lightly = _ok(results, "aug", impl="lightly DINOTransform")
+    for r in _ok(results, "aug"):
+        if r.get("per_core") and lightly and r["impl"] != "lightly DINOTransform" and r.get("crops") != "-":
+            r["vs_lightly"] = r["images_per_s"] / lightly[0]["images_per_s"]
+
+
+def summarize(results: list, device: torch.device) -> list[dict]:
+    """One line per goal: the measured figure next to the goal."""
+    lines = []
+
+    def line(what, value, goal, better, fmt, note=""):
+        met = None if value is None else (value >= goal if better == "higher" else value <= goal)
+        if device.type != "cuda":
+            met = None  # the goals are GPU goals: on a CPU the figure is only shown
+        lines.append({"what": what, "value": value, "goal": goal, "better": better, "met": met,
+                      "text": f"{what}: {'-' if value is None else format(value, fmt)} "
+                              f"(goal {'>=' if better == 'higher' else '<'} {goal:g}){note}"})
+
+    for model in dict.fromkeys(r["model"] for r in _ok(results, "dino")):
+        ours = [r for r in _ok(results, "dino", model=model) if r["impl"] != "reference" and r.get("vs_ref")]
+        if ours:
+            best = max(ours, key=lambda r: r["vs_ref"])
+            each = ", ".join(f"{r['strategy']} {r['impl'].split()[-1]} {r['vs_ref']:.2f}x" for r in ours)
+            line(f"dino step, ours vs reference loop, {model} (best: {best['strategy']}, {best['impl']})",
+                 best["vs_ref"], GOALS["dino_vs_reference"], "higher", ".2f", f"; {each}")
+        pct = [r for r in _ok(results, "dino", model=model) if r["impl"] != "reference" and r.get("pct_peak")]
+        if pct:
+            best = max(pct, key=lambda r: r["pct_peak"])
+            line(f"dino step, % of measured matmul peak, {model} (best: {best['strategy']}, {best['impl']})",
+                 best["pct_peak"], GOALS["pct_of_peak"], "higher", ".1f")
+    for r in _ok(results, "e2e"):
+        if r.get("vs_synthetic") is not None:
+            line(f"end-to-end from JPEGs vs synthetic input, {r['path']} ({r['workers']} workers)",
+                 r["vs_synthetic"], GOALS["e2e_vs_synthetic"], "higher", ".2f")
+    for r in _ok(results, "inference"):
+        if r.get("vs_timm_eager") and r["impl"] == "ours folded compile" or (
+                r.get("vs_timm_eager") and r["impl"] == "ours folded eager"
+                and not _ok(results, "inference", model=r["model"], impl="ours folded compile")):
+            line(f"inference, {r['impl']} vs timm eager, {r['model']} ({r['dtype']}, batch {r['batch']})",
+                 r["vs_timm_eager"], GOALS["inference_vs_timm"], "higher", ".2f")
+    for r in _ok(results, "knn"):
+        if r["backend"] in ("torch", "faiss-gpu") and r.get("device") == device.type:
+            line(f"k-NN {r['backend']} on {r['device']}, {r['n_train']} x {r['dim']}, k={r['k']}, "
+                 f"seconds for all queries", r["seconds_full"], GOALS["knn_seconds"], "lower", ".2f")
+    return lines
+
+
+# --------------------------------------------------------------------------- tables
+
+COLUMNS = {
+    "peak": [("impl", "what", ""), ("dtype", "dtype", ""), ("size", "n", ""), ("tflops", "TFLOP/s", ".4g"),
+             ("spread", "spread", ".1%")],
+    "dino": [("model", "model", ""), ("strategy", "strategy", ""), ("impl", "impl", ""),
+             ("precision", "precision", ""), ("batch", "batch", ""), ("crops", "crops", ""),
+             ("images_per_s", "img/s", ".1f"), ("crops_per_s", "crops/s", ".0f"), ("step_ms", "step ms", ".1f"),
+             ("gflop_per_image", "GFLOP/img", ".1f"), ("tflops", "TFLOP/s", ".3g"), ("pct_peak", "%peak", ".1f"),
+             ("mem_gb", "mem GB", ".2f"), ("first_s", "1st call s", ".1f"), ("spread", "spread", ".0%"),
+             ("vs_ref", "vs ref", "x")],
+    "e2e": [("model", "model", ""), ("strategy", "strategy", ""), ("impl", "impl", ""), ("path", "path", ""),
+            ("workers", "workers", ""), ("batch", "batch", ""), ("images_per_s", "img/s", ".1f"),
+            ("loader_only_images_per_s", "loader alone img/s", ".1f"), ("vs_synthetic", "vs synthetic", "x"),
+            ("mem_gb", "mem GB", ".2f"), ("wall_s", "wall s", ".1f")],
+    "inference": [("model", "model", ""), ("impl", "impl", ""), ("dtype", "dtype", ""), ("batch", "batch", ""),
+                  ("images_per_s", "img/s", ".1f"), ("ms", "ms/batch", ".2f"), ("first_s", "1st call s", ".1f"),
+                  ("mem_gb", "mem GB", ".2f"), ("vs_timm_eager", "vs timm eager", "x"), ("rel_err", "rel err", ".1e")],
+    "knn": [("backend", "backend", ""), ("device", "device", ""), ("n_train", "train", ""), ("dim", "dim", ""),
+            ("queries", "queries", ""), ("k", "k", ""), ("seconds", "s", ".3f"),
+            ("seconds_full", "s (all queries)", ".2f"),
+            ("queries_per_s", "queries/s", ".0f"), ("top1", "top1 %", ".1f"), ("mem_gb", "mem GB", ".2f")],
+    "aug": [("impl", "impl", ""), ("where", "where", ""), ("threads", "threads", ""), ("crops", "crops", ""),
+            ("images_per_s", "img/s", ".1f"), ("vs_lightly", "vs lightly", "x"), ("mem_gb", "mem GB", ".2f")],
+}
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "x":
+        return f"{value:.2f}x"
+    if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, fmt)
+    return str(value)
+
+
+def format_table(family: str, rows: list) -> str:
+    cols = COLUMNS[family]
+    ok = [r for r in rows if r["status"] == "ok"]
+    # drop columns no line of this family fills
+    cols = [c for c in cols if any(r.get(c[0]) is not None for r in ok) or c[0] in ("model", "impl", "backend")]
+    cells = [[h for _, h, _ in cols]]
+    notes = []
+    for r in rows:
+        if r["status"] == "ok":
+            cells.append([_cell(r.get(k), f) for k, _, f in cols])
+        else:
+            ident = [_cell(r.get(k), "") if r.get(k) is not None else "" for k, _, _ in cols]
+            text = f"{r['status'].upper()}: {r.get('error') or r.get('reason')}"
+            first_free = next((i for i, c in enumerate(cols) if r.get(c[0]) is None), len(cols))
+            cells.append(ident[:first_free])
+            notes.append((len(cells) - 1, text))
+    widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(len(cols))]
+    out = []
+    for n, row in enumerate(cells):
+        text = "  ".join(c.rjust(w) if n and k >= 1 and _numeric(c) else c.ljust(w)
+                         for k, (c, w) in enumerate(zip(row, widths)))
+        for idx, note in notes:
+            if idx == n:
+                text += "  " + note
+        out.append(text.rstrip())
+    return "\n".join(out)
+
+
+def _numeric(text: str) -> bool:
+    return text[:1].isdigit() or text[:1] == "-" and text[1:2].isdigit()
+
+
+TITLES = {"peak": "measured dense matmul rate (the ceiling for %peak)",
+          "dino": "DINO training step on synthetic crops on the device: images/s (1 image = all its crops)",
+          "e2e": "end-to-end: the same step fed from JPEG files by DataLoader workers",
+          "inference": "inference, random weights: images/s",
+          "knn": "weighted k-NN (T=0.07): seconds",
+          "aug": "augmentation: images/s (1 image = all its crops); threads 1 = per CPU core"}
+
+
+def render(results: list, summary: list, meta: dict, profile: str) -> str:
+    load = meta["load_average"][0] if meta.get("load_average") else "?"
+    head = (f"bench profile={profile} on {meta.get('gpu') or meta['cpu']} ({meta['cpu_cores']} CPU cores, "
+            f"torch threads {meta['torch_threads']}, load average {load} at start), torch {meta['torch']}, "
+            f"{meta['date']}")
+    parts = [head]
+    for family in COLUMNS:
+        rows = [r for r in results if r["row"] == family]
+        if rows:
+            parts += ["", f"== {family}: {TITLES[family]}", format_table(family, rows)]
+    if summary:
+        gpu = "gpu" in meta
+        parts += ["", "== against the goals" + ("" if gpu else " (the goals are for one H100/H200; a CPU run shows "
+                                                     "the figures only)")]
+        parts += [("  [met]  " if s["met"] else "  [open] " if s["met"] is False else "  ") + s["text"]
+                  for s in summary]
+    failed = [r for r in results if r["status"] == "error"]
+    if failed:
+        parts += ["", f"{len(failed)} line(s) failed; tracebacks are on stderr"]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- entry
+
+def bench(cfg) -> dict:
+    """Run the configured rows; return the report (also written to <out>/bench.json)."""
+    profile, device = choose(cfg)
+    p = cfg.bench[profile]
+    families = [str(f) for f in as_list(cfg.bench.rows)]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise UserError(f"bench.rows has {unknown}; choose from {', '.join(FAMILIES)}")
+    models, explicit = choose_models(cfg, p)
+    from resmlp.models import list_models
+    bad = [m for m in models if m not in list_models()]
+    if bad:
+        raise UserError(f"the bench measures the ResMLP presets ({', '.join(list_models())}), not {bad}")
+    out_dir = Path(cfg.out).expanduser() if cfg.out else Path("runs") / "bench"
+    torch.manual_seed(int(cfg.seed))
+    old_threads = torch.get_num_threads()
+    if p.get("threads"):
+        torch.set_num_threads(int(p.threads))
+    try:
+        with warnings.catch_warnings():
+            # lightly's head uses the deprecated torch.nn.utils.weight_norm: one warning per build
+            warnings.filterwarnings("ignore", message=".*weight_norm.*")
+            return _bench(cfg, profile, device, p, families, models, explicit, out_dir)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict:
+    meta = machine_info(device)
+    print(f"bench: profile {profile} on {meta.get('gpu') or meta['cpu']}, rows {', '.join(families)}, "
+          f"models {', '.join(models)}", flush=True)
+    load = meta.get("load_average")
+    if device.type == "cpu" and load and load[0] > 0.5 * meta["cpu_cores"]:
+        print(f"bench: note: load average {load[0]:.1f} on {meta['cpu_cores']} cores before starting: other "
+              f"processes share these cores, the CPU timings will be low and noisy", flush=True)
+    ctx = Context(device, profile, p, models, explicit, seed=int(cfg.seed))
+    t0 = time.perf_counter()
+    if cfg.bench.time_limit_s:
+        ctx.deadline = t0 + float(cfg.bench.time_limit_s)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(summary=None):
+        report = {"meta": meta, "profile": profile, "settings": to_dict(p), "rows_requested": families,
+                  "models": models, "wall_s": round(time.perf_counter() - t0, 1), "goals": GOALS,
+                  "complete": summary is not None, "summary": summary or [], "rows": ctx.results}
+        tmp = out_dir / "bench.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        tmp.replace(out_dir / "bench.json")
+        return report
+    ctx.on_row = write
+    for family in ["peak", *families]:
+        fn = R.peak_family if family == "peak" else FAMILIES[family]
+        try:
+            fn(ctx)
+        except Exception as e:  # noqa: BLE001 - a family that breaks before its lines
+            traceback.print_exc(file=sys.stderr)
+            ctx.results.append({"row": family, "impl": "(setup)", "status": "error",
+                                "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+    add_ratios(ctx.results)
+    summary = summarize(ctx.results, device)
+    report = write(summary)
+    print()
+    print(render(ctx.results, summary, meta, profile))
+    print(f"\nwrote {out_dir / 'bench.json'} ({report['wall_s']:.0f} s)", flush=True)
+    return report
+
+
+def run(cfg) -> int:
+    report = bench(cfg)
+    failed = sum(r["status"] == "error" for r in report["rows"])
+    if failed:
+        print(f"error: {failed} benchmark line(s) failed (see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # python -m resmlp.bench.bench [key=value ...]
+    from resmlp.core.config import load_config
+    sys.exit(run(load_config("bench", DEFAULT_MODEL, sys.argv[1:])))

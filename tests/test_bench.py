@@ -1,0 +1,119 @@
+"""The benchmark: the tiny profile runs every row on the CPU, and the two DINO steps it
+compares compute the same thing (so the speed ratio compares like with like)."""
+import json
+
+import pytest
+import torch
+
+from resmlp.bench import rows as R
+from resmlp.bench.bench import Context, render
+from resmlp.bench.reference import RefDinoStep, build_reference_networks
+from resmlp.core.cli import main
+from resmlp.core.config import load_config
+from resmlp.models import convert_state_dict, load_pretrained
+from resmlp.ssl.train import crop_plan
+
+
+def tiny_profile():
+    return load_config("bench", "resmlp_s12", ["bench.profile=tiny"]).bench.tiny
+
+
+def test_tiny_profile_measures_every_row(tmp_path):
+    assert main(["bench", "bench.profile=tiny", f"out={tmp_path}"]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = report["rows"]
+    bad = [r for r in rows if r["status"] != "ok"]
+    assert not bad, bad
+    by = {}
+    for r in rows:
+        by.setdefault(r["row"], []).append(r)
+    assert set(by) == {"peak", "dino", "e2e", "inference", "knn", "aug"}
+    assert report["meta"]["torch"] == torch.__version__ and report["meta"]["date"]
+    assert by["peak"][0]["tflops"] > 0
+
+    dino = by["dino"]
+    assert {(r["strategy"], r["impl"]) for r in dino} == {
+        (s, i) for s in ("resize", "interpolate", "subgrid", "none") for i in ("ours eager", "reference")}
+    for r in dino:
+        assert r["images_per_s"] > 0 and r["crops_per_s"] > r["images_per_s"] and r["gflop_per_image"] > 0
+        if r["impl"] != "reference":
+            assert r["vs_ref"] > 0 and r["vs_ref_resize"] > 0
+    assert {r["crops"] for r in dino if r["strategy"] == "subgrid"} == {"2x32+2x16"}
+    assert {r["crops"] for r in dino if r["strategy"] == "none"} == {"2x32"}
+
+    e2e = {r["path"]: r for r in by["e2e"]}
+    assert set(e2e) == {"write JPEGs", "synthetic input", "CPU augmentation in workers", "GpuMultiCrop on cpu"}
+    for path in ("CPU augmentation in workers", "GpuMultiCrop on cpu"):
+        assert e2e[path]["images_per_s"] > 0 and e2e[path]["loader_only_images_per_s"] > 0
+        assert e2e[path]["vs_synthetic"] > 0
+
+    inf = {r["impl"]: r for r in by["inference"]}
+    assert inf["check: folded ours = timm (fp32)"]["rel_err"] < 1e-4
+    for impl in ("timm eager", "ours eager", "ours folded eager"):
+        assert inf[impl]["images_per_s"] > 0 and inf[impl]["vs_timm_eager"] > 0
+
+    knn = {r["backend"]: r for r in by["knn"]}
+    assert set(knn) == {"torch", "torch-raw", "faiss-cpu"}
+    assert all(r["seconds"] > 0 and r["queries"] == 50 for r in knn.values())
+    assert knn["torch"]["top1"] == knn["faiss-cpu"]["top1"] > 20  # same exact neighbours; chance is 20
+
+    aug = {r["impl"]: r for r in by["aug"]}
+    assert len(aug) == 5 and all(r["images_per_s"] > 0 for r in aug.values())
+    assert all(r["vs_lightly"] > 0 for name, r in aug.items() if name != "lightly DINOTransform" and r["crops"] != "-")
+    assert report["summary"] and all(s["value"] is not None for s in report["summary"])
+
+
+@pytest.mark.parametrize("strategy,backbone", [("resize", "timm"), ("subgrid", "ours")])
+def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
+    """Same weights (timm's ResMLP loaded into ours where the reference uses timm's), same
+    crops, fp32: the same loss, and the same teacher and center after the step."""
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    cfg = R.dino_config(tiny_profile(), "resmlp_s12", strategy, ["model.drop_path_rate=0.0"])
+    plan = crop_plan(cfg)
+    ours = R.build_our_step(cfg, cpu, "fp32", compile=False)
+    student, teacher = build_reference_networks(cfg, cpu, backbone)
+    ref = RefDinoStep(student, teacher, cfg.dino.out_dim, 2 + plan["n_local"], cpu, fp16=False)
+    if backbone == "timm":
+        load_pretrained(ours.student.backbone, student.backbone.state_dict())
+    else:
+        ours.student.backbone.load_state_dict(student.backbone.state_dict())
+    ours.student.head.load_state_dict(student.head.state_dict())
+    ours.teacher.load_state_dict(ours.student.state_dict())
+    crops = R.synthetic_crops(plan, 4, cpu)
+
+    loss_ours = R.call_step(ours, crops)
+    loss_ref = R.call_step(ref, crops)
+    assert torch.allclose(loss_ours, loss_ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ours.loss_fn.center.reshape(-1), ref.loss_fn.center.reshape(-1), atol=1e-6)
+    want = convert_state_dict(teacher.backbone.state_dict())
+    got = ours.teacher.backbone.state_dict()
+    assert set(want) == set(got)
+    for key in got:
+        assert torch.allclose(got[key], want[key], atol=1e-5), key
+    for a, b in zip(ours.teacher.head.parameters(), teacher.head.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_failing_line_is_reported_and_the_rest_go_on():
+    ctx = Context(torch.device("cpu"), "tiny", tiny_profile(), ["resmlp_s12"], False)
+    ctx.attempt("knn", {"backend": "broken"}, lambda: 1 / 0)
+    ctx.attempt("knn", {"backend": "absent"}, lambda: (_ for _ in ()).throw(R.Skip("not installed")))
+    ctx.attempt("knn", {"backend": "fine"}, lambda: {"seconds": 0.5, "queries": 10})
+    assert [r["status"] for r in ctx.results] == ["error", "skipped", "ok"]
+    meta = {"cpu": "cpu", "cpu_cores": 2, "torch_threads": 1, "load_average": [0.0], "torch": "x", "date": "d"}
+    text = render(ctx.results, [], meta, "tiny")
+    assert "ERROR: ZeroDivisionError" in text and "SKIPPED: not installed" in text and "0.500" in text
+
+
+def test_lines_needing_an_absent_package_are_skipped(monkeypatch):
+    """The GPU image lacks lightly and faiss: their lines say SKIPPED, not ERROR."""
+    monkeypatch.setitem(__import__("sys").modules, "lightly", None)
+    monkeypatch.setitem(__import__("sys").modules, "faiss", None)
+    ctx = Context(torch.device("cpu"), "tiny", tiny_profile(), ["resmlp_s12"], False)
+    labels = torch.zeros(50, dtype=torch.long)
+    data = (torch.randn(50, 8), labels, torch.randn(5, 8), labels[:5], 2)
+    ctx.attempt("dino", {"impl": "ours"}, R.need_lightly)
+    ctx.attempt("knn", {"backend": "faiss-cpu"}, lambda: R._knn_one(ctx, "faiss-cpu", data))
+    ctx.attempt("knn", {"backend": "torch"}, lambda: R._knn_one(ctx, "torch", data))
+    assert [r["status"] for r in ctx.results] == ["skipped", "skipped", "ok"]
