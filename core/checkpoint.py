@@ -13,6 +13,7 @@ its previous checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import tempfile
@@ -27,14 +28,16 @@ FORMAT = "resmlp-ssl"
 CHECKPOINT_NAME = "checkpoint.pth"
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
-    """Write `state` to `path` atomically."""
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb"):
+    """Open a temp file beside `path`; on success it replaces `path` in one rename, so a
+    reader (or a run killed mid-write) never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -42,7 +45,13 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
+    """Write `state` (plus the format tag) to `path` atomically."""
+    with atomic_write(path) as f:
+        torch.save({"format": FORMAT, **state}, f)
+    return Path(path)
 
 
 def resolve_checkpoint_path(spec: str | os.PathLike) -> Path:

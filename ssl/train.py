@@ -183,6 +183,7 @@ def train(cfg):
 
     # ---- the loop -------------------------------------------------------------------------
     it = start_it
+    train_started, eval_seconds = time.time(), 0.0
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
         student.train()
@@ -227,13 +228,17 @@ def train(cfg):
             run.print(f"warning: {warning}")
         last = epoch + 1 == E
         if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0 and not last:
+            eval_started = time.time()
             res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
+            eval_seconds += time.time() - eval_started
             run.log({"epoch": epoch + 1, **res}, step=it)
         checkpoint(it)
 
     if cfg.save_rank_weights:  # to check that DDP kept the ranks in step
         torch.save({"student": raw_student.state_dict(), "teacher": teacher.state_dict()},
                    run.dir / f"weights_rank{run.rank}.pth")
+    train_seconds = time.time() - train_started - eval_seconds
+    images_per_s = (it - start_it) * cfg.batch_size / max(train_seconds, 1e-9)
     final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
@@ -247,6 +252,7 @@ def train(cfg):
     summary = run.finish({"command": "dino", "model": cfg.model.name, "data": cfg.data.name,
                           "epochs": E, "demo": demo, "local_crops": cfg.dino.local_crops,
                           "params": sum(p.numel() for p in teacher.backbone.parameters()),
+                          "train_images_per_s": round(images_per_s, 1), "peak_mem_mb": run.peak_memory_mb(),
                           **{f"init_{k}": v for k, v in results.get("init", {}).items()}, **final})
     return run, raw_student, teacher, summary
 

@@ -27,7 +27,7 @@ def _have_fashion_mnist() -> bool:
 needs_data = pytest.mark.skipif(not _have_fashion_mnist(), reason="Fashion-MNIST files not found "
                                 "(apt-get install dataset-fashion-mnist)")
 
-TINY = ["model.dim=32", "model.depth=2", "data.subset=256", "batch_size=32", "num_workers=0",
+TINY = ["model.dim=32", "model.depth=2", "data.subset=128", "batch_size=32", "num_workers=0",
         "demo=false", "log_every=2", "eval_every=0"]
 QUICK_TEST = ["eval_limit=200", "eval_batch_size=200"]   # the supervised commands' test-split evaluation
 PLAIN = ["aug.mixup=0", "aug.cutmix=0", "aug.auto_augment=null", "aug.re_prob=0", "aug.smoothing=0",
@@ -113,7 +113,8 @@ def test_distillation_loss_equals_formula():
 @needs_data
 def test_supervised_run_lowers_loss_and_writes_results(tmp_path, capsys):
     from resmlp.supervised.train import train
-    cfg = config("supervised", tmp_path, "sup", "epochs=3", "optim.lr=0.1", "optim.lr_batch=32", *PLAIN)
+    cfg = config("supervised", tmp_path, "sup", "epochs=3", "optim.lr=0.1", "optim.lr_batch=32", "data.subset=256",
+                 *PLAIN)
     _, model, res = train(cfg)
     losses = [r["train_loss"] for r in log_records(tmp_path / "sup") if "train_loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.1, losses
@@ -169,7 +170,7 @@ def test_finetune_starts_from_the_checkpoint_teacher(tmp_path):
                                          "eval_every=0", "epochs=1", "finetune.layer_decay=0.75",
                                          f"checkpoint={dino_dir}", f"out={tmp_path / 'ft'}"],
                       base=saved_config(str(dino_dir)))
-    assert cfg.model.dim == 32 and cfg.model.depth == 2 and cfg.data.subset == 256
+    assert cfg.model.dim == 32 and cfg.model.depth == 2 and cfg.data.subset == 128
     model, teacher, info = build_networks(cfg, 10, torch.device("cpu"))
     sd = model.state_dict()
     assert teacher is None and info["init"]["key"] == "teacher"
@@ -241,7 +242,7 @@ def test_compare_builds_its_table_from_finished_runs(tmp_path, monkeypatch, caps
 
     def cfg_with(*extra):
         return load_config("compare", "resmlp_s12", [
-            "demo=false", "model.dim=32", "model.depth=2", "data.subset=256", "batch_size=32",
+            "demo=false", "model.dim=32", "model.depth=2", "data.subset=128", "batch_size=32",
             "compare.epochs.teacher=1", "compare.epochs.supervised=1", "compare.epochs.distill=1",
             "compare.epochs.dino=1", "compare.epochs.linear=1", "compare.epochs.finetune=1",
             "compare.linear_mode=cached", f"out={tmp_path / 'cmp'}", *extra])
