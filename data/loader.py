@@ -23,6 +23,8 @@ made here re-raises it as UserError(<message>): one line, the original message.
 """
 from __future__ import annotations
 
+import os
+
 import re
 
 import numpy as np
@@ -112,6 +114,7 @@ def build_loader(dataset, batch_size: int, train: bool, num_workers: int = 4, se
         raise UserError(f"batch size per process must be >= 1, got {batch_size}")
     if num_workers < 0:
         raise UserError(f"num_workers={num_workers} must be >= 0")
+    num_workers = min(num_workers, os.cpu_count() or 1)  # more processes than cores only thrash
     drop_last = train if drop_last is None else drop_last
     world, rank = dist.world_size(), dist.rank()
     if train:

@@ -10,6 +10,7 @@ worker process handles it.
 """
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -102,6 +103,7 @@ def build_train_loader(dataset, transform, batch_size: int, seed: int, num_worke
     """A loader over `SeededTransform(dataset)` (or `KeyedDataset` with keyed=True, for a
     batch augmentation stage); call `sampler.set_epoch(epoch, start_batch)` every epoch."""
     sampler = EpochSampler(len(dataset), batch_size, seed=seed)
+    num_workers = min(num_workers, os.cpu_count() or 1)  # more processes than cores only thrash
     wrapped = KeyedDataset(dataset, transform) if keyed else SeededTransform(dataset, transform, seed)
     loader = DataLoader(wrapped, batch_size=batch_size,
                         sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,

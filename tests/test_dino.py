@@ -100,7 +100,7 @@ def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
     for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
         assert torch.equal(s, t), n
     assert not any(p.requires_grad for p in teacher.parameters())
-    assert student.backbone.grid_adapt == "subgrid"
+    assert student.backbone.grid_adapt == "interpolate"   # the default strategy
 
 
 def test_bad_strategy_is_a_user_error(tmp_path):
