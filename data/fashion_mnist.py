@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from resmlp.core import dist
 from resmlp.core.errors import UserError
 from resmlp.data.paths import data_dir, main_process_first, user_root
 

@@ -9,7 +9,6 @@ UserError unless data.skip_corrupt=true (then they are the ones training skips).
 from __future__ import annotations
 
 import collections
-import os
 
 import numpy as np
 from PIL import Image

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core import dist
+from resmlp.core.checkpoint import atomic_write
 from resmlp.core.errors import UserError
 from resmlp.eval.checkpoints import describe, load_backbone
 from resmlp.eval.features import amp_dtype_from_precision, features_for
@@ -114,19 +113,10 @@ def json_safe(obj):
 
 def write_json(path: Path, obj) -> Path:
     """Atomic write of obj as indented JSON."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(json_safe(obj), fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    with atomic_write(path, "w") as fh:
+        json.dump(json_safe(obj), fh, indent=2)
+        fh.write("\n")
+    return Path(path)
 
 
 def checkpoint_summary(info: dict) -> dict:

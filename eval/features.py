@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -35,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core import dist
+from resmlp.core.checkpoint import atomic_write
 from resmlp.core.errors import UserError
 
 CACHE_VERSION = 1
@@ -217,19 +216,6 @@ def cache_path(cache_dir, key: Mapping) -> Path:
     return Path(cache_dir) / f"{key['split']}-{key_digest(key)}.pt"
 
 
-def _save_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _load_cached(path: Path, key: Mapping):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -280,8 +266,9 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
     n_cls = len(classes) or int(rdata.num_classes(data_cfg))
     if path is not None:
         if dist.is_main():
-            _save_atomic(path, {"features": feats, "labels": labels, "classes": classes,
-                                "num_classes": n_cls, "key": key})
+            with atomic_write(path) as fh:
+                torch.save({"features": feats, "labels": labels, "classes": classes,
+                            "num_classes": n_cls, "key": key}, fh)
             if log:
                 log(f"features: {split} {tuple(feats.shape)} extracted, cached in {path}")
         dist.barrier()

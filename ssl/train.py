@@ -5,7 +5,6 @@ The shared pieces (process group, run dir, checkpoints, logs) live in resmlp.cor
 """
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
