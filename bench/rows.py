@@ -197,16 +197,21 @@ def dino_family(ctx) -> None:
                             (lambda: _dino_reference(ctx, model, strategy, flops)))
 
 
+def _step_inputs(ctx, model, strategy):
+    """(config, crop plan, synthetic crops on the device) for one DINO step line."""
+    from resmlp.ssl.train import crop_plan
+    reset_memory(ctx.device)
+    cfg = dino_config(ctx.p, model, strategy)
+    plan = crop_plan(cfg)
+    return cfg, plan, synthetic_crops(plan, int(ctx.p.batch_size), ctx.device)
+
+
 def _dino_pair(ctx, model, strategy, flops, pair) -> dict:
     """Ours (eager) and the reference built side by side and timed with alternating
     repeats (profile key `interleave`: on a shared CPU the ratio then survives the
     other processes' load). Both need memory at once: off in the gpu profile."""
-    from resmlp.ssl.train import crop_plan
     p, dev = ctx.p, ctx.device
-    reset_memory(dev)
-    cfg = dino_config(p, model, strategy)
-    plan = crop_plan(cfg)
-    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy)
     ours = build_our_step(cfg, dev, p.precision, False)
     ref, backbone = build_reference_step(cfg, dev, strategy)
     last = {}
@@ -236,12 +241,8 @@ def _pair_reference(pair) -> dict:
 
 
 def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
-    from resmlp.ssl.train import crop_plan
     p, dev = ctx.p, ctx.device
-    reset_memory(dev)
-    cfg = dino_config(p, model, strategy)
-    plan = crop_plan(cfg)
-    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy)
     step = build_our_step(cfg, dev, p.precision, comp)
     try:
         t, loss = time_step(step, crops, dev, p)
@@ -261,12 +262,8 @@ def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
 
 
 def _dino_reference(ctx, model, strategy, flops) -> dict:
-    from resmlp.ssl.train import crop_plan
     p, dev = ctx.p, ctx.device
-    reset_memory(dev)
-    cfg = dino_config(p, model, strategy)
-    plan = crop_plan(cfg)
-    crops = synthetic_crops(plan, int(p.batch_size), dev)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy)
     step, backbone = build_reference_step(cfg, dev, strategy)
     t, loss = time_step(step, crops, dev, p)
     mem = peak_memory_gb(dev)

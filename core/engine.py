@@ -206,6 +206,17 @@ class Run:
         return results
 
 
+def command(train):
+    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: leaves the process group on any exit."""
+    def run(cfg) -> int:
+        try:
+            train(cfg)
+        finally:
+            dist.cleanup()
+        return 0
+    return run
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

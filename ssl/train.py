@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from resmlp.core import dist
 from resmlp.core.checkpoint import rng_state, set_rng_state
-from resmlp.core.engine import Run, progress
+from resmlp.core.engine import Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import param_groups
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
@@ -256,9 +256,4 @@ def train(cfg):
     return run, raw_student, teacher, summary
 
 
-def run(cfg) -> int:
-    try:
-        train(cfg)
-    finally:
-        dist.cleanup()
-    return 0
+run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

@@ -25,7 +25,7 @@ from timm.utils import ModelEmaV3
 
 from resmlp.core import dist
 from resmlp.core.checkpoint import rng_state, set_rng_state
-from resmlp.core.engine import Run, progress
+from resmlp.core.engine import Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import no_weight_decay, param_groups
 from resmlp.core.schedules import cosine_schedule
@@ -400,9 +400,4 @@ def train(cfg):
     return run, raw_model, summary
 
 
-def run(cfg) -> int:
-    try:
-        train(cfg)
-    finally:
-        dist.cleanup()
-    return 0
+run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)
