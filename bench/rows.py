@@ -253,7 +253,7 @@ def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
             flops["flops"] = count_flops(lambda: call_step(step, crops))
             step.forward_student, step.forward_teacher = saved
     finally:
-        del step
+        step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
     fields = step_fields(t, int(p.batch_size), 2 + plan["n_local"], flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
@@ -269,7 +269,7 @@ def _dino_reference(ctx, model, strategy, flops) -> dict:
     mem = peak_memory_gb(dev)
     if "flops" not in flops:
         flops["flops"] = count_flops(lambda: call_step(step, crops))
-    del step
+    step = None
     fields = step_fields(t, int(p.batch_size), 2 + plan["n_local"], flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
     return {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "batch": int(p.batch_size),

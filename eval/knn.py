@@ -360,7 +360,7 @@ def knn_evaluate(train_features, train_labels, test_features, test_labels, num_c
 
 def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, batch_size: int = 256,
                num_workers: int = 0, backend: str = "auto", amp_dtype=None,
-               train_split: str = "train") -> dict:
+               train_split: str = "train", keep_features: bool = False) -> dict:
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
@@ -369,6 +369,8 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     {'knn': {k: {'top1': %, 'top5': %}}, 'knn_k': the headline k (the largest k <= 20,
     DINO's k=20 by default), 'knn_top1', 'knn_top5' (at knn_k), 'n_train', 'n_test'}:
     log 'knn_top1' with the epoch in log.jsonl, which the viz command plots.
+    keep_features: rank 0's result also holds 'features': {'train': (f, y), 'test': (f, y)}
+    (CPU tensors, for a linear probe on the same extraction); it is not broadcast.
     """
     import resmlp.data as rdata
     from resmlp.core import dist
@@ -390,7 +392,10 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
         head = max([k for k in ks if k <= 20] or ks[:1])
         result = {"knn": res, "knn_k": head, "knn_top1": res[head]["top1"], "knn_top5": res[head]["top5"],
                   "n_train": int(ftr.shape[0]), "n_test": int(fte.shape[0])}
-    return dist.broadcast_object(result)
+    result = dist.broadcast_object(result)
+    if keep_features and dist.is_main():
+        result["features"] = {"train": out[train_split], "test": out["test"]}
+    return result
 
 
 # --------------------------------------------------------------------------- command

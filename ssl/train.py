@@ -72,33 +72,25 @@ def build_networks(cfg, device):
 
 
 def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> dict:
-    """k-NN (and optionally a linear probe) of the teacher's backbone features."""
-    from resmlp.data import build_eval_transform, build_loader
-    from resmlp.eval.features import extract_features
-    from resmlp.eval.knn import knn_evaluate
-    transform = build_eval_transform(cfg.data)
-    feats = {}
-    for split in ("train", "test"):
-        ds = build_dataset(cfg.data, split, transform)
-        loader = build_loader(ds, max(1, cfg.knn.batch_size // run.world_size), train=False,
-                              num_workers=cfg.num_workers, seed=cfg.seed)
-        feats[split] = extract_features(teacher_backbone, loader, run.device, amp_dtype=run.amp_dtype)
-    k = 20
-    temp = float(cfg.knn.temperature)
-    out = {}
-    if run.is_main:
-        (trf, trl), (tef, tel) = feats["train"], feats["test"]
-        res = knn_evaluate(trf, trl, tef, tel, num_classes(cfg.data), ks=(k,), temperature=temp,
-                           backend=cfg.knn.backend)[k]
-        out = {"knn_top1": res["top1"], "knn_top5": res["top5"], "knn_k": k, "knn_T": temp}
-        run.print(f"[{tag}] knn top1={res['top1']:.2f} top5={res['top5']:.2f} (k={k}, T={temp:g})")
-        if linear:
+    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features."""
+    from resmlp.eval.knn import online_knn
+    k, temp = 20, float(cfg.knn.temperature)
+    res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
+                     batch_size=max(1, cfg.knn.batch_size // run.world_size), num_workers=cfg.num_workers,
+                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype, keep_features=linear)
+    out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
+    run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
+    if linear:
+        lin = {}
+        if run.is_main:
             from resmlp.eval.linear import train_linear_on_features
+            (trf, trl), (tef, tel) = res["features"]["train"], res["features"]["test"]
             lin = train_linear_on_features(trf, trl, tef, tel, num_classes(cfg.data))
-            out.update(linear_top1=lin["top1"], linear_top5=lin["top5"], linear_lr=lin["lr"])
             run.print(f"[{tag}] linear top1={lin['top1']:.2f} top5={lin['top5']:.2f} "
                       f"(cached features, best lr {lin['lr']:g})")
-    return dist.broadcast_object(out)
+        lin = dist.broadcast_object(lin)
+        out.update(linear_top1=lin["top1"], linear_top5=lin["top5"], linear_lr=lin["lr"])
+    return out
 
 
 def train(cfg):

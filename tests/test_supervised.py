@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from resmlp.core.checkpoint import load_checkpoint, save_checkpoint
@@ -217,6 +216,18 @@ def test_recipe_keys_are_the_same_in_the_three_method_files():
     assert keys(files["distill"]) - recipe == {f"distill.{k}" for k in files["distill"]["distill"]}
     assert keys(files["finetune"]) - recipe == {f"finetune.{k}" for k in files["finetune"]["finetune"]}
     assert recipe <= keys(files["distill"]) and recipe <= keys(files["finetune"])
+
+
+def test_cpu_demos_share_the_dino_demos_model_images_and_batch():
+    """The demos are compared in one table (and in the README): same model size, training
+    images and batch for every path, and compare's DINO budget is the DINO demo's."""
+    def demo(command, *extra):
+        return load_config(command, "resmlp_s12", ["demo=true", *extra])
+    dino = demo("dino")
+    shape = lambda c: (c.model.dim, c.model.depth, c.data.subset, c.batch_size)  # noqa: E731
+    for command in ("supervised", "distill", "compare"):
+        assert shape(demo(command)) == shape(dino), command
+    assert demo("compare").compare.epochs.dino == dino.epochs
 
 
 # ---- compare ---------------------------------------------------------------------------------
