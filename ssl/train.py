@@ -207,7 +207,7 @@ def train(cfg):
                     run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
                               f"lr {record['lr']:.2e} wd {record['wd']:.3f} m {record['momentum']:.4f} "
                               f"T_t {record['teacher_temp']:.3f} H_t {stats['teacher_entropy']:.2f} "
-                              f"KL {stats['teacher_kl_center']:.3f} {record['images_per_s']:.0f} img/s")
+                              f"KL {stats['teacher_kl_mean']:.3f} {record['images_per_s']:.0f} img/s")
                 t0, seen_since = time.time(), 0
             if cfg.ckpt_every and it % cfg.ckpt_every == 0 and it % ipe:
                 checkpoint(it)

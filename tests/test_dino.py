@@ -81,6 +81,25 @@ def test_clip_per_parameter_matches_dino():
     assert params[0].grad.norm() < 3.0 and abs(params[2].grad.norm().item() - 3.0) < 1e-3
 
 
+def test_health_signals_see_both_collapses():
+    """Entropy and KL-to-center of the teacher's output, and the warning for each collapse."""
+    import math
+
+    from resmlp.ssl.health import collapse_warning, teacher_stats
+    K, temp = 64, 0.04
+    center = torch.randn(1, K)
+    uniform = teacher_stats(center.repeat(8, 1), center, temp)  # output = center: uniform targets
+    assert uniform["teacher_entropy"] == pytest.approx(math.log(K), abs=1e-4)
+    assert uniform["teacher_kl_mean"] == pytest.approx(0.0, abs=1e-4)
+    same = teacher_stats(center + 10 * F.one_hot(torch.full((8,), 3), K), center, temp)  # one class for all
+    assert same["teacher_entropy"] < 1e-3 and same["teacher_kl_mean"] == pytest.approx(0.0, abs=1e-3)
+    own = teacher_stats(center + 10 * F.one_hot(torch.arange(8), K), center, temp)  # healthy: sharp, diverse
+    assert own["teacher_entropy"] < 1e-3 and own["teacher_kl_mean"] == pytest.approx(math.log(8), abs=1e-3)
+    assert "near uniform" in collapse_warning(0.99 * math.log(K), K)
+    assert "one-hot" in collapse_warning(0.01 * math.log(K), K)
+    assert collapse_warning(0.5 * math.log(K), K) is None
+
+
 def test_multicrop_groups_resolutions_like_separate_forwards():
     from resmlp.models import create_model
     torch.manual_seed(0)
@@ -141,7 +160,7 @@ def test_run_writes_outputs_and_prints_knn(tmp_path):
     assert list((tmp_path / "tb").glob("events.*"))
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     train_lines = [r for r in records if "loss" in r]
-    for key in ("lr", "wd", "momentum", "teacher_temp", "teacher_entropy", "teacher_kl_center",
+    for key in ("lr", "wd", "momentum", "teacher_temp", "teacher_entropy", "teacher_kl_mean",
                 "images_per_s", "peak_mem_mb"):
         assert key in train_lines[-1], key
     assert any("knn_top1" in r for r in records)
