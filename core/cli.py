@@ -112,16 +112,11 @@ def build(argv: list[str]):
     rest = expand_aliases(rest, cmd.aliases)
     model, base, extra = None, None, []
     if cmd.positional == "model":
-        model = positional
-        if model is None:
-            for a in rest:
-                if a.startswith("model="):
-                    model = a.split("=", 1)[1]
-            if model is None and name == "bench":
-                pass  # the benchmark's own model list applies
-            else:
-                model = model or "resmlp_s12"
-                check_model(model, name)
+        model = positional or next((a.split("=", 1)[1] for a in rest if a.startswith("model=")), None)
+        if model is None and name != "bench":  # bench without a model runs its profile's list
+            model = "resmlp_s12"
+        if model is not None:
+            check_model(model, name)
     elif cmd.positional == "checkpoint":
         if positional is None:
             raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} <checkpoint | run dir | timm:<name>>")

@@ -94,7 +94,8 @@ def test_saved_config_supplies_model_and_data():
 
 
 # ---- CLI --------------------------------------------------------------------------------
-def test_cli_errors_are_one_line_with_exit_2(capsys):
+def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs/ would appear here if a bad command started a run
     assert cli.main(["frobnicate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dino" in err[0] and "knn" in err[0]
@@ -104,6 +105,7 @@ def test_cli_errors_are_one_line_with_exit_2(capsys):
     assert cli.main(["knn"]) == 2
     assert "checkpoint" in capsys.readouterr().err
     assert cli.main(["dino", "resmlp_s12", "nonsense"]) == 2
+    assert not (tmp_path / "runs").exists()
 
 
 def test_cli_unwraps_user_error_raised_in_a_worker():
