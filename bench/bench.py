@@ -126,7 +126,7 @@ def machine_info(device: torch.device) -> dict:
             "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": version("torchvision"), "timm": version("timm"), "lightly": version("lightly"),
             "faiss": version("faiss-gpu", "faiss-cpu", "faiss-gpu-cu12", "faiss"),
-            "cpu_cores": R.cores(), "cpu": _cpu_name(), "device": str(device),
+            "cpu_cores": dist.cpu_cores(), "cpu": _cpu_name(), "device": str(device),
             "torch_threads": torch.get_num_threads(),
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "float32_matmul_precision": torch.get_float32_matmul_precision()}

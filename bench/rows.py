@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from resmlp.bench.timing import (count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb, reset_memory,
                                  sync, threads)
+from resmlp.core.dist import cpu_cores
 
 # One fixed point of the schedules for every timed step (after the frozen-last-layer epoch).
 LR, WD, MOMENTUM, TEACHER_TEMP, EPOCH = 1e-4, 0.04, 0.996, 0.04, 1
@@ -35,10 +36,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 class Skip(Exception):
     """A measurement that cannot run on this machine (a package or the GPU is missing)."""
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def need_lightly() -> None:
@@ -306,7 +303,7 @@ def make_jpeg_folder(root: str, n: int, min_px: int, max_px: int, classes: int =
         path, w, h, s = job
         synthetic_image(w, h, s).save(path, quality=90)
         return os.path.getsize(path)
-    with ThreadPoolExecutor(max(1, cores())) as pool:
+    with ThreadPoolExecutor(max(1, cpu_cores())) as pool:
         sizes = list(pool.map(write, jobs))
     return float(np.mean(sizes[:n])) / 1024
 
@@ -350,7 +347,7 @@ def _loader(dataset, sampler, batch: int, workers: int, device):
 def e2e_family(ctx) -> None:
     from resmlp.ssl.train import crop_plan
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
-    workers = cores() if str(e.workers) == "auto" else int(e.workers)
+    workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
     base = {"model": e.model, "strategy": e.strategy, "impl": "ours compile" if e.compile else "ours eager",
             "batch": int(p.batch_size), "workers": workers}
     root = tempfile.mkdtemp(prefix="resmlp_bench_jpeg_")

@@ -31,6 +31,11 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a Slurm or container limit)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def pick_device(requested: str = "auto") -> torch.device:
     """`auto` takes this process's GPU when there is one, else the CPU."""
     if requested not in ("auto", "cpu", "cuda"):

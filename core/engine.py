@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -110,7 +109,7 @@ class Run:
         if self.device.type == "cpu":
             # OpenMP threads that share cores with loader workers spin against them: on a
             # busy 2-core machine a DINO step ran 5x slower with 2 threads than with 1.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size - int(cfg.num_workers)))
+            torch.set_num_threads(max(1, dist.cpu_cores() // self.world_size - int(cfg.num_workers)))
         if cfg.batch_size % self.world_size:
             raise UserError(f"batch_size={cfg.batch_size} is not divisible by the {self.world_size} processes")
         self.batch_per_rank = cfg.batch_size // self.world_size
@@ -220,7 +219,7 @@ def command(train):
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({os.cpu_count()} cores)"
+    return f"cpu ({dist.cpu_cores()} cores)"
 
 
 def progress(iterable, total: int, desc: str, enabled: bool):

@@ -8,13 +8,13 @@ loaders do), not composited over a background.
 """
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import numpy as np
 from PIL import Image
 
+from resmlp.core.dist import cpu_cores
 from resmlp.core.errors import UserError
 
 # Lower-case file name extensions that are read as images; every other file is ignored.
@@ -84,7 +84,7 @@ def find_unreadable(paths: Iterable[str], threads: int | None = None) -> list[tu
     """
     paths = list(paths)
     if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = cpu_cores()
     threads = max(1, min(threads, 32))
     if threads == 1 or len(paths) < 64:
         reasons = [unreadable_reason(p) for p in paths]

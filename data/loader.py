@@ -23,8 +23,6 @@ made here re-raises it as UserError(<message>): one line, the original message.
 """
 from __future__ import annotations
 
-import os
-
 import re
 
 import numpy as np
@@ -101,6 +99,11 @@ def _generator_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, dist.rank(), epoch]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def cap_workers(num_workers: int) -> int:
+    """Loader worker processes, at most one per usable core: more only thrash."""
+    return min(num_workers, dist.cpu_cores())
+
+
 def build_loader(dataset, batch_size: int, train: bool, num_workers: int = 4, seed: int = 0,
                  collate_fn=None, drop_last: bool | None = None) -> Loader:
     """DataLoader over `dataset` for this process (batch_size per process; see module doc).
@@ -114,7 +117,7 @@ def build_loader(dataset, batch_size: int, train: bool, num_workers: int = 4, se
         raise UserError(f"batch size per process must be >= 1, got {batch_size}")
     if num_workers < 0:
         raise UserError(f"num_workers={num_workers} must be >= 0")
-    num_workers = min(num_workers, os.cpu_count() or 1)  # more processes than cores only thrash
+    num_workers = cap_workers(num_workers)
     drop_last = train if drop_last is None else drop_last
     world, rank = dist.world_size(), dist.rank()
     if train:

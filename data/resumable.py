@@ -10,7 +10,6 @@ worker process handles it.
 """
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from resmlp.core import dist
+from resmlp.data.loader import cap_workers
 
 
 class EpochSampler(Sampler[int]):
@@ -103,7 +103,7 @@ def build_train_loader(dataset, transform, batch_size: int, seed: int, num_worke
     """A loader over `SeededTransform(dataset)` (or `KeyedDataset` with keyed=True, for a
     batch augmentation stage); call `sampler.set_epoch(epoch, start_batch)` every epoch."""
     sampler = EpochSampler(len(dataset), batch_size, seed=seed)
-    num_workers = min(num_workers, os.cpu_count() or 1)  # more processes than cores only thrash
+    num_workers = cap_workers(num_workers)
     wrapped = KeyedDataset(dataset, transform) if keyed else SeededTransform(dataset, transform, seed)
     loader = DataLoader(wrapped, batch_size=batch_size,
                         sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
