@@ -48,20 +48,26 @@ link_package() {
   export PYTHONPATH="$ROOT/.resmlp_path${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+OWN_ENV=0  # 1: an environment we did not build (then run.sh installs nothing, not even data)
 choose_python() {
+  OWN_ENV=1
   if [ -n "${RESMLP_PYTHON:-}" ]; then PY="$RESMLP_PYTHON"
   elif [ -n "${VIRTUAL_ENV:-}" ] && [ "$VIRTUAL_ENV" != "$ROOT/.venv" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then PY="$VIRTUAL_ENV/bin/python"
   elif [ -n "${CONDA_PREFIX:-}" ] && [ -x "$CONDA_PREFIX/bin/python" ]; then PY="$CONDA_PREFIX/bin/python"
   elif command -v python3 >/dev/null && deps_import python3; then PY="$(command -v python3)"
-  else venv_python; return
+  else OWN_ENV=0; venv_python; return
   fi
   deps_import "$PY" || { say "$PY lacks torch/torchvision/timm/omegaconf/lightly: pip install -r requirements.txt there, or deactivate it to let run.sh build .venv"; exit 2; }
   link_package
 }
 
 # The default dataset: when it is nowhere and we may install packages, install Debian's copy.
+# Never on a machine whose environment is the user's own (RESMLP_PYTHON, an active venv or
+# conda env, a python3 with the packages): a cluster node or an offline GPU box.
 ensure_fashion_mnist() {
   case "$*" in *data=*|*data.root=*) return ;; esac
+  [ "$OWN_ENV" = 1 ] && return
+  [ -n "${RESMLP_FMNIST_SEARCH+x}" ] && return  # the user names the folders data/fashion_mnist.py searches
   [ -d /usr/share/datasets/fashion-mnist ] && return
   [ -d "${RESMLP_DATA_DIR:-$HOME/.cache/resmlp/datasets}/FashionMNIST" ] && return
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -90,6 +96,18 @@ choose_python
 case "$cmd" in dino|knn|linear|viz|supervised|distill|finetune|compare|data) ensure_fashion_mnist "$@" ;; esac
 
 NPROC="${NPROC_PER_NODE:-1}"; NNODES="${NNODES:-1}"
+case "$NPROC$NNODES" in *[!0-9]*) say "NPROC_PER_NODE and NNODES must be whole numbers (got '$NPROC', '$NNODES')"; exit 2 ;; esac
+# One GPU per process: more processes than GPUs would fail deep inside torchrun.
+if [ "$NPROC" -gt 1 ]; then
+  "$PY" - "$NPROC" "$@" <<'PYEOF' || exit 2
+import sys, torch
+want, args = int(sys.argv[1]), sys.argv[2:]
+have = torch.cuda.device_count()
+if have and "device=cpu" not in args and want > have:
+    sys.exit(f"run.sh: NPROC_PER_NODE={want} but this node has {have} GPU(s): start at most {have} "
+             "processes per node (one GPU each), or pass device=cpu")
+PYEOF
+fi
 if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
   exec "$PY" -m torch.distributed.run --nproc_per_node="$NPROC" --nnodes="$NNODES" \
     --node_rank="${NODE_RANK:-0}" --master_addr="${MASTER_ADDR:-127.0.0.1}" \

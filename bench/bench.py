@@ -337,6 +337,8 @@ def bench(cfg) -> dict:
         raise UserError(f"the bench measures the ResMLP presets ({', '.join(list_models())}), not {bad}")
     out_dir = Path(cfg.out).expanduser() if cfg.out else Path("runs") / "bench"
     torch.manual_seed(int(cfg.seed))
+    # As the trainer (core.engine.Run) and DINO's main_dino.py do, for ours and the reference alike.
+    torch.backends.cudnn.benchmark = device.type == "cuda"
     old_threads = torch.get_num_threads()
     if p.get("threads"):
         torch.set_num_threads(int(p.threads))

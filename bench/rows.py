@@ -88,29 +88,14 @@ def autocast_for(device: torch.device, precision: str):
 
 
 def build_our_step(cfg, device: torch.device, precision: str, compile: bool):
-    """resmlp.ssl.step.DinoStep built as ssl/train.py builds it (a world of one)."""
+    """The trainer's step (resmlp.ssl.step.build_dino_step) for a world of one."""
     need_lightly()
-    from lightly.loss import DINOLoss
+    from omegaconf import OmegaConf
 
-    from resmlp.core.optim import param_groups
-    from resmlp.ssl.step import DinoStep
-    from resmlp.ssl.train import build_networks, crop_plan
-    plan = crop_plan(cfg)
-    student, teacher = build_networks(cfg, device)
-    loss_fn = DINOLoss(cfg.dino.out_dim, student_temp=cfg.dino.student_temp,
-                       center_momentum=cfg.dino.center_momentum, warmup_teacher_temp_epochs=0).to(device)
-    optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, weight_decay=0.0)
+    from resmlp.ssl.step import build_dino_step
+    cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    step = DinoStep(student, teacher, loss_fn, optimizer, scaler, 2 + plan["n_local"],
-                    float(cfg.optim.clip_grad), autocast_for(device, precision))
-    if compile:
-        compiled_student, compiled_teacher = torch.compile(student), torch.compile(teacher)
-        # DinoStep calls `(forward_x or x)(...)`; a compiled module has no truth value in
-        # torch 2.14 (it forwards len(), which MultiCropNet lacks), so hand it plain
-        # functions that make the same calls. Harmless once step.py tests `is not None`.
-        step.forward_student = lambda crops: compiled_student(crops)
-        step.forward_teacher = lambda crops: compiled_teacher(crops)
-    return step
+    return build_dino_step(cfg, device, scaler, autocast_for(device, precision))
 
 
 def build_reference_step(cfg, device: torch.device, strategy: str):

@@ -45,6 +45,9 @@ def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", 0))
+    if local >= torch.cuda.device_count():
+        raise UserError(f"this process is local rank {local} but the node has {torch.cuda.device_count()} "
+                        "GPU(s): start at most one process per GPU (NPROC_PER_NODE), or pass device=cpu")
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 

@@ -23,8 +23,10 @@ from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkp
 from resmlp.core.config import save_config, to_dict
 from resmlp.core.errors import RunFailed, UserError
 
-# Sections whose change makes a saved checkpoint unusable for this run.
+# Sections whose change makes a saved checkpoint unusable for this run, and the keys in
+# them that may change on resume (memory settings: the weights do not depend on them).
 RESUME_MUST_MATCH = ("command", "model", "data")
+RESUME_MAY_CHANGE = ("model.grad_checkpointing",)
 
 
 def seed_everything(seed: int) -> None:
@@ -45,6 +47,8 @@ def config_differences(saved: dict, current: dict, keys=RESUME_MUST_MATCH) -> li
     diffs = []
 
     def walk(a, b, prefix):
+        if prefix in RESUME_MAY_CHANGE:
+            return
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
                 walk(a.get(k, "<unset>"), b.get(k, "<unset>"), f"{prefix}.{k}" if prefix else k)
@@ -106,6 +110,10 @@ class Run:
         # The same seed on every rank (as DINO does): models built on each rank start equal,
         # also those DDP does not broadcast (the teacher). Data randomness is keyed per image.
         seed_everything(int(cfg.seed))
+        if self.device.type == "cuda":
+            # Training shapes are fixed: let cuDNN time its algorithms once (as DINO does);
+            # the default heuristic picks a slow kernel for the stride-16 patch embedding.
+            torch.backends.cudnn.benchmark = True
         if self.device.type == "cpu":
             # OpenMP threads that share cores with loader workers spin against them: on a
             # busy 2-core machine a DINO step ran 5x slower with 2 threads than with 1.
@@ -180,9 +188,12 @@ class Run:
 
     def check_finite(self, loss: torch.Tensor, where: str) -> None:
         if not math.isfinite(float(loss)):
-            raise RunFailed(f"loss is {float(loss)} at {where}; stopped. The last good checkpoint "
-                            f"{self.ckpt_path} is intact. Lower the learning rate or (DINO) the teacher "
-                            "temperature, or use precision=fp32, then run again to resume")
+            self.stop_nonfinite(float(loss), where)
+
+    def stop_nonfinite(self, value: float, where: str) -> None:
+        raise RunFailed(f"loss is {value} at {where}; stopped. The last good checkpoint "
+                        f"{self.ckpt_path} is intact. Lower the learning rate or (DINO) the teacher "
+                        "temperature, or use precision=fp32, then run again to resume")
 
     def save(self, state: dict, name: str = CHECKPOINT_NAME) -> None:
         if self.is_main:
@@ -190,10 +201,17 @@ class Run:
                                               **state})
         dist.barrier()
 
-    def peak_memory_mb(self) -> float:
+    def memory_mb(self) -> dict:
+        """Peak GPU memory since the last reset: allocated by tensors, and reserved by the
+        caching allocator (what the GPU really lost to this process)."""
+        if self.device.type != "cuda":
+            return {"peak_mem_mb": 0.0, "peak_reserved_mb": 0.0}
+        return {"peak_mem_mb": round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1),
+                "peak_reserved_mb": round(torch.cuda.max_memory_reserved(self.device) / 2**20, 1)}
+
+    def reset_peak_memory(self) -> None:
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        return 0.0
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def finish(self, results: dict) -> dict:
         results = {"wall_time_s": round(time.time() - self.started, 1),
@@ -206,14 +224,26 @@ class Run:
 
 
 def command(train):
-    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: leaves the process group on any exit."""
+    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: leaves the process group on any
+    exit, and turns running out of GPU memory into one line that says what to change."""
     def run(cfg) -> int:
         try:
             train(cfg)
+        except torch.OutOfMemoryError:
+            raise UserError(out_of_memory_message(cfg)) from None
         finally:
             dist.cleanup()
         return 0
     return run
+
+
+def out_of_memory_message(cfg) -> str:
+    world = dist.world_size()
+    per_gpu = cfg.batch_size // max(1, world)
+    return (f"CUDA out of memory with {per_gpu} images per GPU (batch_size={cfg.batch_size} over {world} "
+            f"process{'es' if world > 1 else ''}): lower batch_size, add GPUs (NPROC_PER_NODE / NNODES), or set "
+            f"model.grad_checkpointing=true; the last checkpoint in {run_dir(cfg)} is intact, resume=auto "
+            "continues from it")
 
 
 def device_name(device: torch.device) -> str:

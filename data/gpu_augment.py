@@ -350,6 +350,7 @@ class GpuMultiCrop:
         # few kernels (one compile per crop size; the first call pays it).
         self._compiled = torch.compile(photometric, dynamic=False) if compile else None
         self._stats: dict = {}
+        self._probs: dict = {}
 
     @classmethod
     def from_plan(cls, plan: dict, data_cfg, **kwargs) -> "GpuMultiCrop":
@@ -385,42 +386,57 @@ class GpuMultiCrop:
         else:
             src = images.float()                                            # (B, 3, H, W)
         out: list[torch.Tensor] = []
-        # Views of one size share the photometric pass: globals (2B samples), locals (n*B).
+        # Views of one size (the 2 globals, the n locals) are made together, as B x V
+        # samples in (image, view) order: one crop, resample and photometric pass each.
         for group in ([0, 1], list(range(2, self.n_views))):
             if not group:
                 continue
-            size = self.views[group[0]].size
-            crops = torch.empty(len(group) * B, size, 3, size, device=dev, dtype=torch.float32)
-            for i, v in enumerate(group):
-                self._crop(src, H, W, u_all[v], self.views[v], crops[i * B:(i + 1) * B])
+            V, view = len(group), self.views[group[0]]
+            S = view.size
+            u = u_all[group].transpose(0, 1).reshape(B * V, _NCOL)          # (B*V, cols)
+            crops = torch.empty(B * V, S, 3, S, device=dev, dtype=torch.float32)
+            self._crop(src, H, W, u, view, V, crops)
             crops.clamp_(0.0, 1.0)  # bicubic overshoot, as PIL's rounding to uint8 clips it
-            u = u_all[group].reshape(-1, _NCOL)
-            blur_p = torch.cat([torch.full((B,), self.views[v].blur_prob, device=dev) for v in group])
-            sol_p = torch.cat([torch.full((B,), self.views[v].solarize_prob, device=dev) for v in group])
-            out.extend(self._photometric(crops, u, blur_p, sol_p).chunk(len(group)))
+            blur_p, sol_p = self._view_probs(group, B, dev)
+            y = self._photometric(crops, u, blur_p, sol_p)                   # (B*V, 3, S, S) view
+            # back to view-major order and out_dtype in one copy
+            y = y.reshape(B, V, 3, S, S).transpose(0, 1).to(self.out_dtype).contiguous()
+            out.extend(y.unbind(0))
         return out
 
-    def _crop(self, src, H, W, u, view: GpuView, out: torch.Tensor) -> None:
-        """Resized crops of one view, flipped where drawn, into out (B, S, 3, S), 0..1."""
+    def _crop(self, src, H, W, u, view: GpuView, V: int, out: torch.Tensor) -> None:
+        """Resized crops of V views of each of the B images (u: (B*V, cols) in (image,
+        view) order), flipped where drawn, into out (B*V, S, 3, S), values 0..1."""
         S = view.size
-        B = u.shape[0]
+        N = u.shape[0]
+        B = N // V
         top, left, h, w = crop_boxes(u, H, W, view.scale, self.ratio)
         flip = u[:, _FLIP] < self.flip_prob
         if self.interpolation == "bicubic":
-            ry = resample_matrix(top, h, H, S, gain=1 / 255)                # (B, S, H)
-            rx = resample_matrix(left, w, W, S, flip=flip)                  # (B, S, W)
-            rows = torch.bmm(ry, src).view(B, S * 3, W)                     # (B, S, 3W): rows done
-            torch.bmm(rows, rx.transpose(1, 2), out=out.view(B, 3 * S, S))
+            ry = resample_matrix(top, h, H, S, gain=1 / 255)                # (B*V, S, H)
+            rx = resample_matrix(left, w, W, S, flip=flip)                  # (B*V, S, W)
+            rows = torch.bmm(ry.view(B, V * S, H), src)                     # (B, V*S, 3W): rows done
+            torch.bmm(rows.view(N, S * 3, W), rx.transpose(1, 2), out=out.view(N, 3 * S, S))
             return
         from torchvision.ops import roi_align
-        boxes = torch.stack([torch.arange(B, device=u.device, dtype=torch.float32),
-                             left, top, left + w, top + h], dim=1)
+        image = torch.arange(B, device=u.device, dtype=torch.float32).repeat_interleave(V)
+        boxes = torch.stack([image, left, top, left + w, top + h], dim=1)
         t = roi_align(src, boxes, (S, S), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
         t = torch.where(flip.view(-1, 1, 1, 1), t.flip(-1), t)
         out.copy_(t.permute(0, 2, 1, 3)).mul_(1 / 255)
 
+    def _view_probs(self, group: list, B: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blur and solarize probabilities per (image, view) sample, made once per batch
+        size and device (a fresh host-to-device copy on every call would cost a wait)."""
+        key = (tuple(group), B, dev)
+        if key not in self._probs:
+            blur = torch.tensor([self.views[v].blur_prob for v in group]).repeat(B)
+            sol = torch.tensor([self.views[v].solarize_prob for v in group]).repeat(B)
+            self._probs[key] = (blur.to(dev), sol.to(dev))
+        return self._probs[key]
+
     def _photometric(self, x, u, blur_p, sol_p) -> torch.Tensor:
-        """(N, S, 3, S) crops in [0, 1] -> contiguous (N, 3, S, S) out_dtype."""
+        """(N, S, 3, S) crops in [0, 1] -> (N, 3, S, S) float32 (a permuted view)."""
         if x.device not in self._stats:  # one host-to-device copy per device, not per call
             self._stats[x.device] = (torch.tensor(self.mean, device=x.device),
                                      torch.tensor([1 / s for s in self.std], device=x.device))
@@ -429,7 +445,7 @@ class GpuMultiCrop:
         y = fn(x, u, blur_p, sol_p, mean, inv_std, jitter=self.jitter, jitter_prob=self.jitter_prob,
                gray_prob=self.gray_prob, sigma=self.blur_sigma, radius=self.blur_kernel // 2,
                threshold=self.solarize_threshold, normalize=self.normalize)
-        return y.to(self.out_dtype).contiguous()  # to() alone would keep the permuted strides
+        return y
 
 
 # --------------------------------------------------------------------------- loader side

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 @torch.no_grad()
 def teacher_stats(teacher_out: torch.Tensor, center: torch.Tensor, temp: float) -> dict:
     """Mean entropy of the teacher's targets softmax((t - c)/temp), and their mean KL to
-    the batch's mean target (how much the targets depend on the image)."""
+    the batch's mean target (how much the targets depend on the image), as 0-dim tensors
+    on the output's device: reading them is left to the caller (a host sync)."""
     logp = F.log_softmax((teacher_out.float() - center.reshape(1, -1)) / temp, dim=-1)
     p = logp.exp()
     entropy = -(p * logp).sum(-1).mean()
     log_mean = p.mean(0, keepdim=True).clamp_min(1e-30).log()
     kl = (p * (logp - log_mean)).sum(-1).mean()
-    return {"teacher_entropy": float(entropy), "teacher_kl_mean": float(kl)}
+    return {"teacher_entropy": entropy, "teacher_kl_mean": kl}
 
 
 def collapse_warning(mean_entropy: float, out_dim: int) -> str | None:

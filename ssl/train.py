@@ -10,21 +10,17 @@ import signal
 import time
 
 import torch
-from omegaconf import OmegaConf
 
 from resmlp.core import dist
 from resmlp.core.checkpoint import rng_state, set_rng_state
 from resmlp.core.engine import Run, command, progress
 from resmlp.core.errors import UserError
-from resmlp.core.optim import param_groups
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, build_multicrop_transform, num_classes, train_split_for_ssl
 from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
 from resmlp.data.resumable import build_train_loader
-from resmlp.models.from_config import build_model
-from resmlp.ssl.health import collapse_warning, teacher_stats
-from resmlp.ssl.multicrop import MultiCropNet, build_head
-from resmlp.ssl.step import DinoStep
+from resmlp.ssl.health import collapse_warning
+from resmlp.ssl.step import build_dino_step
 
 STRATEGIES = ("resize", "interpolate", "subgrid", "none")
 # Fault injection for the resume test: the process kills itself after this iteration.
@@ -51,33 +47,13 @@ def crop_plan(cfg) -> dict:
     return plan
 
 
-def build_networks(cfg, device):
-    """Student and teacher: same backbone + head; the teacher is a separate build that
-    loads the student's weights (lightly's weight-normed head cannot be deep-copied)."""
-    student_backbone = build_model(cfg.model, num_classes=0)
-    teacher_cfg = OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0})
-    teacher_backbone = build_model(teacher_cfg, num_classes=0)
-    if cfg.dino.local_crops in ("interpolate", "subgrid"):
-        if not hasattr(student_backbone, "grid_adapt"):
-            raise UserError(f"dino.local_crops={cfg.dino.local_crops} needs a ResMLP backbone; "
-                            f"use resize or none for {cfg.model.name}")
-        student_backbone.grid_adapt = cfg.dino.local_crops
-    dim = student_backbone.num_features
-    student = MultiCropNet(student_backbone, build_head(dim, cfg.dino)).to(device)
-    teacher = MultiCropNet(teacher_backbone, build_head(dim, cfg.dino)).to(device)
-    teacher.load_state_dict(student.state_dict())
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return student, teacher
-
-
 def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> dict:
     """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features."""
     from resmlp.eval.knn import online_knn
     k, temp = 20, float(cfg.knn.temperature)
     res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
                      batch_size=max(1, cfg.knn.batch_size // run.world_size), num_workers=cfg.num_workers,
-                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype, keep_features=linear)
+                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32, keep_features=linear)
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
     if linear:
@@ -110,7 +86,9 @@ def train(cfg):
     plan = crop_plan(cfg)
     on_device = cfg.dino.augment == "device"
     if on_device:
-        batch_augment = GpuMultiCrop.from_plan(plan, cfg.data)
+        # Crops in the step's autocast dtype: the first layer would cast them anyway.
+        batch_augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=bool(cfg.compile),
+                                               out_dtype=run.amp_dtype or torch.float32)
         transform = uint8_fixed_size(default_fixed_size(plan["global_size"]))
     else:
         transform = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
@@ -119,23 +97,11 @@ def train(cfg):
     loader, sampler = build_train_loader(dataset, transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
                                          pin_memory=device.type == "cuda", keyed=on_device)
     ipe = sampler.batches_per_epoch
-    n_crops = 2 + plan["n_local"]
 
-    # ---- networks, loss, optimizer -------------------------------------------------------
-    from lightly.loss import DINOLoss
-    student, teacher = build_networks(cfg, device)
-    loss_fn = DINOLoss(cfg.dino.out_dim, student_temp=cfg.dino.student_temp,
-                       center_momentum=cfg.dino.center_momentum,
-                       warmup_teacher_temp_epochs=0).to(device)
-    optimizer = torch.optim.AdamW(param_groups(student), lr=0.0, weight_decay=0.0)
-    raw_student = student
-    if run.world_size > 1:
-        student = torch.nn.parallel.DistributedDataParallel(
-            student, device_ids=[device.index] if device.type == "cuda" else None)
-    step = DinoStep(student, teacher, loss_fn, optimizer, run.scaler, n_crops, cfg.optim.clip_grad,
-                    run.autocast)
-    if cfg.compile:
-        step.forward_student, step.forward_teacher = torch.compile(student), torch.compile(teacher)
+    # ---- networks, loss, optimizer: the step the benchmark times ---------------------------
+    step = build_dino_step(cfg, device, run.scaler, run.autocast, run.world_size)
+    student, raw_student, teacher = step.student, step.raw_student, step.teacher
+    loss_fn, optimizer = step.loss_fn, step.optimizer
 
     # ---- schedules, per iteration ---------------------------------------------------------
     E, o = cfg.epochs, cfg.optim
@@ -159,8 +125,24 @@ def train(cfg):
         results = state.get("results", {})
     elif demo or cfg.eval_every:
         results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
+    run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
+
+    # Device-side tallies (loss, teacher health, non-finite flag) are read only here: at log
+    # lines, checkpoints and epoch ends. These are the loop's only host-device syncs.
+    since_log, epoch_tally = Tally(), Tally()
+    last_read = {"iteration": start_it}
+
+    def read(iteration: int) -> None:
+        values = step.read()  # <- sync
+        if values["nonfinite"]:
+            run.stop_nonfinite(values["last_loss"], f"an iteration in {last_read['iteration'] + 1}.."
+                                                    f"{iteration} (epoch {iteration // ipe + 1})")
+        last_read["iteration"] = iteration
+        since_log.add(values)
+        epoch_tally.add(values)
 
     def checkpoint(iteration: int):
+        read(iteration)  # never save weights that a non-finite loss may have reached
         run.save({"student": raw_student.state_dict(), "teacher": teacher.state_dict(),
                   "optimizer": optimizer.state_dict(), "center": loss_fn.center.detach().cpu(),
                   "scaler": run.scaler.state_dict(), "epoch": iteration // ipe, "iteration": iteration,
@@ -178,33 +160,35 @@ def train(cfg):
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
         student.train()
-        epoch_entropy, t0, seen_since = [], time.time(), 0
+        epoch_tally.reset()
+        t0, seen_since = time.time(), 0
         bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
                        enabled=run.interactive)
         for batch in bar:
             if on_device:
                 images, _, keys = batch
-                crops = batch_augment(images.to(device, non_blocking=True), seed=cfg.seed, keys=keys.to(device))
+                crops = batch_augment(images.to(device, non_blocking=True), seed=cfg.seed,
+                                      keys=keys.to(device, non_blocking=True))
             else:
                 crops = [c.to(device, non_blocking=True) for c in batch[0]]
-            loss, t_out, center = step(crops, lr_sched[it], wd_sched[it], m_sched[it], t_sched[it], epoch)
-            run.check_finite(loss, f"epoch {epoch + 1}, iteration {it + 1}")
+            step(crops, lr_sched[it], wd_sched[it], m_sched[it], t_sched[it], epoch)
             it += 1
             seen_since += cfg.batch_size
 
-            stats = teacher_stats(t_out, center, float(t_sched[it - 1]))
-            epoch_entropy.append(stats["teacher_entropy"])
-            if run.interactive:
-                bar.set_postfix(loss=f"{loss.item():.3f}")
             if it % cfg.log_every == 0 or it == E * ipe:
+                read(it)
                 dt = time.time() - t0
-                record = {"epoch": it / ipe, "iteration": it, "loss": loss.item(),
+                stats = since_log.means()
+                record = {"epoch": it / ipe, "iteration": it, **stats,
                           "lr": lr_sched[it - 1], "wd": wd_sched[it - 1], "momentum": m_sched[it - 1],
-                          "teacher_temp": t_sched[it - 1], **stats, "images_per_s": seen_since / max(dt, 1e-9),
-                          "peak_mem_mb": run.peak_memory_mb()}
+                          "teacher_temp": t_sched[it - 1], "images_per_s": seen_since / max(dt, 1e-9),
+                          **run.memory_mb()}
                 run.log(record, step=it)
-                if not run.interactive:
-                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
+                since_log.reset()
+                if run.interactive:
+                    bar.set_postfix(loss=f"{stats['loss']:.3f}")
+                else:
+                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {stats['loss']:.4f} "
                               f"lr {record['lr']:.2e} wd {record['wd']:.3f} m {record['momentum']:.4f} "
                               f"T_t {record['teacher_temp']:.3f} H_t {stats['teacher_entropy']:.2f} "
                               f"KL {stats['teacher_kl_mean']:.3f} {record['images_per_s']:.0f} img/s")
@@ -214,8 +198,10 @@ def train(cfg):
             if kill_at and it == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        warning = collapse_warning(sum(epoch_entropy) / max(1, len(epoch_entropy)), cfg.dino.out_dim)
-        if warning and epoch_entropy:
+        read(it)
+        entropy = epoch_tally.means().get("teacher_entropy")
+        warning = collapse_warning(entropy, cfg.dino.out_dim) if entropy is not None else None
+        if warning:
             run.print(f"warning: {warning}")
         last = epoch + 1 == E
         if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0 and not last:
@@ -243,9 +229,29 @@ def train(cfg):
     summary = run.finish({"command": "dino", "model": cfg.model.name, "data": cfg.data.name,
                           "epochs": E, "demo": demo, "local_crops": cfg.dino.local_crops,
                           "params": sum(p.numel() for p in teacher.backbone.parameters()),
-                          "train_images_per_s": round(images_per_s, 1), "peak_mem_mb": run.peak_memory_mb(),
+                          "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
                           **{f"init_{k}": v for k, v in results.get("init", {}).items()}, **final})
     return run, raw_student, teacher, summary
+
+
+class Tally:
+    """Host-side sums of what DinoStep.read() returned, weighted by its steps."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums, self.steps = {}, 0
+
+    def add(self, values: dict) -> None:
+        n = values["steps"]
+        for k, v in values.items():
+            if k not in ("steps", "nonfinite", "last_loss"):
+                self.sums[k] = self.sums.get(k, 0.0) + v * n
+        self.steps += n
+
+    def means(self) -> dict:
+        return {k: v / self.steps for k, v in self.sums.items()} if self.steps else {}
 
 
 run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

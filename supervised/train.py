@@ -356,7 +356,7 @@ def train(cfg):
             if it % cfg.log_every == 0 or it == E * ipe:
                 dt = time.time() - t0
                 record = {"epoch": it / ipe, "iteration": it, "loss": loss.item(), "lr": lr_sched[it - 1],
-                          "images_per_s": seen_since / max(dt, 1e-9), "peak_mem_mb": run.peak_memory_mb()}
+                          "images_per_s": seen_since / max(dt, 1e-9), **run.memory_mb()}
                 run.log(record, step=it)
                 if not run.interactive:
                     run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
@@ -388,7 +388,7 @@ def train(cfg):
                "batch_size": cfg.batch_size, "top1": final["top1"], "top5": final["top5"], "n_test": final["n_test"],
                "best_top1": best["top1"], "best_epoch": best["epoch"], "last_epoch": E,
                "images_per_s": round(train_images / train_time, 1) if train_time else None,
-               "peak_mem_mb": round(run.peak_memory_mb(), 1), **info,
+               **run.memory_mb(), **info,
                **({"ema_top1": final["ema_top1"], "ema_top5": final["ema_top5"]} if ema is not None else {}),
                **({"layer_decay": layer_decay} if cfg.command == "finetune" else {}),
                **({"distill_type": cfg.distill.type} if cfg.command == "distill" else {})}

@@ -1,5 +1,6 @@
 """The benchmark: the tiny profile runs every row on the CPU, and the two DINO steps it
 compares compute the same thing (so the speed ratio compares like with like)."""
+import importlib.util
 import json
 
 import pytest
@@ -22,8 +23,11 @@ def test_tiny_profile_measures_every_row(tmp_path):
     assert main(["bench", "bench.profile=tiny", f"out={tmp_path}"]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = report["rows"]
-    bad = [r for r in rows if r["status"] != "ok"]
+    # faiss is optional (the GPU image has none): its line is then SKIPPED, never an error
+    has_faiss = importlib.util.find_spec("faiss") is not None
+    bad = [r for r in rows if r["status"] != "ok" and (has_faiss or r.get("backend") != "faiss-cpu")]
     assert not bad, bad
+    rows = [r for r in rows if r["status"] == "ok"]
     by = {}
     for r in rows:
         by.setdefault(r["row"], []).append(r)
@@ -53,9 +57,11 @@ def test_tiny_profile_measures_every_row(tmp_path):
         assert inf[impl]["images_per_s"] > 0 and inf[impl]["vs_timm_eager"] > 0
 
     knn = {r["backend"]: r for r in by["knn"]}
-    assert set(knn) == {"torch", "torch-raw", "faiss-cpu"}
+    assert set(knn) == {"torch", "torch-raw", *(["faiss-cpu"] if has_faiss else [])}
     assert all(r["seconds"] > 0 and r["queries"] == 50 for r in knn.values())
-    assert knn["torch"]["top1"] == knn["faiss-cpu"]["top1"] > 20  # same exact neighbours; chance is 20
+    assert knn["torch"]["top1"] > 20  # chance is 20
+    if has_faiss:
+        assert knn["torch"]["top1"] == knn["faiss-cpu"]["top1"]  # the same exact neighbours
 
     aug = {r["impl"]: r for r in by["aug"]}
     assert len(aug) == 5 and all(r["images_per_s"] > 0 for r in aug.values())
@@ -66,7 +72,9 @@ def test_tiny_profile_measures_every_row(tmp_path):
 @pytest.mark.parametrize("strategy,backbone", [("resize", "timm"), ("subgrid", "ours")])
 def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
     """Same weights (timm's ResMLP loaded into ours where the reference uses timm's), same
-    crops, fp32: the same loss, and the same teacher and center after the step."""
+    crops, fp32: the same losses, and the same student, teacher and center after three
+    steps (the later ones see the optimizer state and the EMA): our fused clipping, fused
+    EMA, on-device bookkeeping and fp32 head compute what DINO's loops compute."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     cfg = R.dino_config(tiny_profile(), "resmlp_s12", strategy, ["model.drop_path_rate=0.0"])
@@ -80,19 +88,20 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
         ours.student.backbone.load_state_dict(student.backbone.state_dict())
     ours.student.head.load_state_dict(student.head.state_dict())
     ours.teacher.load_state_dict(ours.student.state_dict())
-    crops = R.synthetic_crops(plan, 4, cpu)
-
-    loss_ours = R.call_step(ours, crops)
-    loss_ref = R.call_step(ref, crops)
-    assert torch.allclose(loss_ours, loss_ref, rtol=1e-5, atol=1e-6)
+    for seed in range(3):
+        crops = R.synthetic_crops(plan, 4, cpu, seed=seed)
+        loss_ours = R.call_step(ours, crops)
+        loss_ref = R.call_step(ref, crops)
+        assert torch.allclose(loss_ours, loss_ref, rtol=1e-5, atol=1e-6), seed
     assert torch.allclose(ours.loss_fn.center.reshape(-1), ref.loss_fn.center.reshape(-1), atol=1e-6)
-    want = convert_state_dict(teacher.backbone.state_dict())
-    got = ours.teacher.backbone.state_dict()
-    assert set(want) == set(got)
-    for key in got:
-        assert torch.allclose(got[key], want[key], atol=1e-5), key
-    for a, b in zip(ours.teacher.head.parameters(), teacher.head.parameters()):
-        assert torch.allclose(a, b, atol=1e-5)
+    for mine, theirs in ((ours.teacher, teacher), (ours.student, student)):
+        want = convert_state_dict(theirs.backbone.state_dict())
+        got = mine.backbone.state_dict()
+        assert set(want) == set(got)
+        for key in got:
+            assert torch.allclose(got[key], want[key], atol=1e-5), key
+        for a, b in zip(mine.head.parameters(), theirs.head.parameters()):
+            assert torch.allclose(a, b, atol=1e-5)
 
 
 def test_compiled_step_equals_eager():

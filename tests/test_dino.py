@@ -113,7 +113,7 @@ def test_multicrop_groups_resolutions_like_separate_forwards():
 
 
 def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
-    from resmlp.ssl.train import build_networks
+    from resmlp.ssl.multicrop import build_networks
     cfg = tiny_cfg(tmp_path)
     student, teacher = build_networks(cfg, torch.device("cpu"))
     for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
@@ -226,7 +226,8 @@ def _free_port():
 
 @needs_fmnist
 def test_two_processes_equal_one_on_the_same_global_batch(tmp_path):
-    extra = ("epochs=1", "data.subset=128", "dino.freeze_last_layer=0")
+    # device=cpu (gloo): runs on any machine, a one-GPU box too (two processes need two GPUs)
+    extra = ("epochs=1", "data.subset=128", "dino.freeze_last_layer=0", "device=cpu")
     one = subprocess.run(_train_cmd(tmp_path / "one", *extra), cwd=ROOT, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

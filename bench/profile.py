@@ -1,0 +1,140 @@
+"""Where a DINO iteration's time goes, on the device: `python -m resmlp.bench.profile [key=value ...]`.
+
+The benchmark (bench.py) says how fast; this says why. For one DINO config (the
+Fashion-MNIST preset by default; any `dino` command override works, e.g.
+`data=imagefolder data.img_size=224 model.patch_size=16 dino.local_size=96`) it times
+each phase of the trainer's iteration alone, at the trainer's batch:
+
+  loader      the trainer's DataLoader (workers decode and collate), no device work
+  augment     GpuMultiCrop on a device batch (eager, and compiled when compile=true)
+  step        DinoStep on synthetic crops (eager, and compiled when compile=true)
+  iteration   loader + augment + step, as the trainer chains them
+
+then records a few steps with torch.profiler and prints the kernels that take the most
+device time, and how much of the wall time the device was busy (GPU time / wall time:
+well under 1 means the host, not the device, sets the pace). Extra keys, consumed here:
+`profile.steps=N` (timed calls per phase), `profile.top=N` (kernels listed),
+`profile.out=DIR` (where profile.json goes), `profile.phases=loader,augment,step`
+(without loader: random uint8 images, for a data set that is not on the machine).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from resmlp.bench.timing import measure, sync
+
+
+def _pop(args: list[str], key: str, default):
+    for a in list(args):
+        if a.startswith(key + "="):
+            args.remove(a)
+            return type(default)(a.split("=", 1)[1]) if default is not None else a.split("=", 1)[1]
+    return default
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    steps, top, out = _pop(args, "profile.steps", 20), _pop(args, "profile.top", 25), _pop(args, "profile.out", "")
+    phases = _pop(args, "profile.phases", "loader,augment,step").split(",")
+    from resmlp.core.config import load_config
+    from resmlp.data import build_dataset, train_split_for_ssl
+    from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
+    from resmlp.data.resumable import build_train_loader
+    from resmlp.ssl.train import crop_plan
+    from resmlp.bench import rows as R
+
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    plan = crop_plan(cfg)
+    batch = int(cfg.batch_size)
+    report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch,
+                         "crops": R.crops_label(plan), "compile": bool(cfg.compile), "precision": precision},
+              "phases": {}}
+
+    def record(name, seconds):
+        report["phases"][name] = {"ms": 1e3 * seconds, "images_per_s": batch / seconds}
+        print(f"{name:28s} {1e3 * seconds:9.2f} ms  {batch / seconds:10.0f} img/s", flush=True)
+
+    # ---- loader alone ------------------------------------------------------------------
+    fixed = default_fixed_size(plan["global_size"])
+    if "loader" in phases:
+        dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
+        loader, sampler = build_train_loader(dataset, uint8_fixed_size(fixed), batch, cfg.seed, cfg.num_workers,
+                                             pin_memory=device.type == "cuda", keyed=True)
+        sampler.set_epoch(0)
+        it = iter(loader)
+        images, _, keys = [next(it) for _ in range(5)][0]
+        t = time.perf_counter()
+        n = 0
+        for _ in range(steps):
+            try:
+                next(it)
+            except StopIteration:
+                break
+            n += 1
+        record("loader", (time.perf_counter() - t) / max(1, n))
+    else:
+        images = torch.randint(0, 256, (batch, 3, fixed, fixed), dtype=torch.uint8)
+        keys = torch.arange(batch)
+
+    # ---- augmentation alone --------------------------------------------------------------
+    images, keys = images.to(device), keys.to(device)
+    for comp in sorted({False, bool(cfg.compile)}) if "augment" in phases else ():
+        aug = GpuMultiCrop.from_plan(plan, cfg.data, compile=comp,
+                                     out_dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+        t = measure(lambda: aug(images, seed=0, keys=keys), device, 3, steps, 3)
+        record(f"augment {'compiled' if comp else 'eager'}", t.seconds)
+
+    # ---- the step alone, and profiled ---------------------------------------------------
+    crops = [c.to(torch.bfloat16) if precision == "bf16" else c
+             for c in R.synthetic_crops(plan, batch, device)]
+    for comp in sorted({False, bool(cfg.compile)}) if "step" in phases else ():
+        step = R.build_our_step(cfg, device, precision, comp)
+        t = measure(lambda: R.call_step(step, crops), device, 3, steps, 3)
+        record(f"step {'compiled' if comp else 'eager'}", t.seconds)
+        if device.type == "cuda":
+            report[f"kernels_{'compiled' if comp else 'eager'}"] = _profile(lambda: R.call_step(step, crops),
+                                                                            device, top)
+        step = None
+        torch._dynamo.reset()
+
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "profile.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _profile(fn, device, top: int, calls: int = 5) -> dict:
+    """Device time per kernel over `calls` calls, the busy fraction, launches per call."""
+    from torch.profiler import ProfilerActivity, profile
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6  # us -> s (overlapping streams counted twice)
+    by_name: dict = {}
+    for e in kernels:
+        d = by_name.setdefault(e.name, [0.0, 0])
+        d[0] += e.device_time
+        d[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    print(f"  wall {1e3 * wall / calls:.2f} ms/call, device busy {1e3 * busy / calls:.2f} ms/call "
+          f"({100 * busy / wall:.0f}%), {len(kernels) / calls:.0f} kernels/call")
+    for name, (us, count) in ranked:
+        print(f"  {us / calls / 1e3:8.3f} ms  {count // calls:5d}x  {name[:110]}")
+    return {"wall_ms": 1e3 * wall / calls, "busy_ms": 1e3 * busy / calls, "kernels_per_call": len(kernels) / calls,
+            "top": [{"name": n, "ms_per_call": us / calls / 1e3, "count": c // calls} for n, (us, c) in ranked]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

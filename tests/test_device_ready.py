@@ -1,0 +1,292 @@
+"""What makes the DINO path lean on a GPU, checked where it can be: no host-device sync in
+the steady state, fused optimizer and clipping with unchanged results, the head's last
+layer in fp32, memory knobs and their error, one GPU per process, offline run.sh."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resmlp.bench import rows as R
+from resmlp.core.config import load_config
+from resmlp.core.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=32", "epochs=1",
+        "dino.out_dim=64", "dino.hidden_dim=32", "dino.bottleneck_dim=16", "dino.n_local_crops=2",
+        "optim.warmup_epochs=1", "num_workers=0", "eval_every=0", "dino.final_linear=false",
+        "model.drop_path_rate=0.0", "dino.freeze_last_layer=0"]
+SYNCS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")
+# Code that runs on the training device's stream. The loader side (decode, collate)
+# runs in host workers and may read its own CPU tensors freely.
+DEVICE_CODE = (f"{os.sep}ssl{os.sep}", "gpu_augment", f"core{os.sep}engine", f"{os.sep}lightly{os.sep}")
+
+
+def tiny_step(device="cpu", extra=()):
+    cfg = load_config("dino", "resmlp_s12", [*TINY, "data=imagefolder", "data.img_size=32", "model.patch_size=8",
+                                             "dino.local_size=16", *extra])
+    from resmlp.ssl.train import crop_plan
+    return cfg, crop_plan(cfg)
+
+
+# ---- 1. no host-device sync per iteration -------------------------------------------------
+class SyncCounter:
+    """Counts the tensor reads that would make the host wait for the device
+    (.item(), float(), int(), bool(), .tolist(), .numpy()) made from DEVICE_CODE."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in SYNCS:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(real))
+
+    def _wrap(self, real):
+        counter = self
+
+        def wrapper(t, *a, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if any(part in caller for part in DEVICE_CODE):
+                counter.count += 1
+            return real(t, *a, **k)
+        return wrapper
+
+
+@needs_fmnist
+def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
+    """The trainer reads device values only at log lines, checkpoints and epoch ends: a run
+    of 8 iterations makes exactly as many host reads as a run of 4."""
+    from resmlp.ssl import train as dino_train
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    counts = {}
+    for n in (4, 8):
+        counter = SyncCounter(monkeypatch)
+        cfg = load_config("dino", "resmlp_s12", [*TINY, f"data.subset={32 * n}", "log_every=1000",
+                                                 f"out={tmp_path / str(n)}"])
+        dino_train.train(cfg)
+        counts[n] = counter.count
+        monkeypatch.undo()
+        monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    assert counts[4] == counts[8], counts
+    assert counts[8] <= 6, counts  # the end-of-run reads only
+
+
+def test_step_and_augmentation_make_no_host_reads(monkeypatch):
+    """Three DINO steps with the batched augmentation: not a single read of a device value."""
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    cfg, plan = tiny_step()
+    step = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
+    aug = GpuMultiCrop.from_plan(plan, cfg.data)
+    images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
+    counter = SyncCounter(monkeypatch)
+    for i in range(3):
+        step(aug(images, seed=0, keys=torch.arange(8) + 8 * i), 1e-4, 0.04, 0.996, 0.04, 1)
+    assert counter.count == 0
+    monkeypatch.undo()
+    values = step.read()  # the one read, on demand
+    assert values["steps"] == 3 and values["nonfinite"] == 0 and values["loss"] > 0
+    assert {"teacher_entropy", "teacher_kl_mean", "last_loss"} <= set(values)
+    assert step.read()["steps"] == 0  # read() resets the tally
+
+
+@needs_cuda
+def test_cuda_steady_state_never_synchronizes():
+    """On a GPU, torch's sync debug mode raises at any synchronizing call inside three
+    steady-state iterations (augmentation + step)."""
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    cfg, plan = tiny_step()
+    dev = torch.device("cuda")
+    step = R.build_our_step(cfg, dev, "bf16", compile=False)
+    aug = GpuMultiCrop.from_plan(plan, cfg.data, out_dtype=torch.bfloat16)
+    images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8, device=dev)
+    keys = torch.arange(8, device=dev)
+    step(aug(images, seed=0, keys=keys), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up: allocations, handles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3):
+            step(aug(images, seed=0, keys=keys + 8 * (i + 1)), 1e-4, 0.04, 0.996, 0.04, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert step.read()["nonfinite"] == 0
+
+
+# ---- 3. the head's last layer and the loss in fp32 ---------------------------------------
+def test_head_last_layer_runs_in_fp32_under_bf16_autocast():
+    from resmlp.ssl.multicrop import build_head, head_forward
+    cfg, _ = tiny_step()
+    torch.manual_seed(0)
+    head = build_head(16, cfg.dino)
+    x = torch.randn(6, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = head_forward(head, x)
+        z = head.layers(x)                                  # the MLP stays in bf16
+    assert got.dtype == torch.float32 and z.dtype == torch.bfloat16
+    want = head.last_layer(torch.nn.functional.normalize(z.float(), dim=-1))
+    assert torch.equal(got, want)
+    exact = head.double()(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):     # what lightly's forward does under autocast
+        old = head.float()(x).float()
+    assert (got.double() - exact).abs().max() < (old.double() - exact).abs().max()
+
+
+# ---- 4. fused AdamW, same results ---------------------------------------------------------
+def test_fused_adamw_gives_the_same_steps():
+    from resmlp.ssl.step import build_optimizer
+    cfg, plan = tiny_step()
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    steps = [R.build_our_step(cfg, cpu, "fp32", compile=False) for _ in range(2)]
+    steps[1].student.load_state_dict(steps[0].student.state_dict())
+    steps[1].teacher.load_state_dict(steps[0].teacher.state_dict())
+    steps[1].optimizer = build_optimizer(steps[1].student, torch.device("cuda"))  # fused=True, on CPU tensors
+    assert steps[1].optimizer.defaults["fused"] and not steps[0].optimizer.defaults["fused"]
+    for seed in range(3):
+        crops = R.synthetic_crops(plan, 4, cpu, seed=seed)
+        losses = [R.call_step(s, [c.clone() for c in crops]) for s in steps]
+        assert torch.allclose(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(steps[0].loss_fn.center, steps[1].loss_fn.center, atol=1e-7)
+    for a, b in zip(steps[0].student.parameters(), steps[1].student.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+# ---- 2. the trainer's augmentation: compiled with compile=true, in the step's dtype ---------
+@needs_fmnist
+def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path, monkeypatch):
+    from resmlp.data import gpu_augment
+    from resmlp.ssl import train as dino_train
+    seen = {}
+    real = gpu_augment.GpuMultiCrop.from_plan.__func__
+
+    def spy(cls, plan, data_cfg, **kw):
+        seen.update(kw)
+        kw["compile"] = False  # the wiring is what this test checks; compiling costs minutes on 2 cores
+        return real(cls, plan, data_cfg, **kw)
+    monkeypatch.setattr(gpu_augment.GpuMultiCrop, "from_plan", classmethod(spy))
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "build_dino_step", _eager_step_builder())
+    cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "compile=true", "precision=bf16",
+                                             f"out={tmp_path}"])
+    dino_train.train(cfg)
+    assert seen == {"compile": True, "out_dtype": torch.bfloat16}
+
+
+def _eager_step_builder():
+    from omegaconf import OmegaConf
+
+    from resmlp.ssl.step import build_dino_step
+
+    def build(cfg, *a, **k):
+        return build_dino_step(OmegaConf.merge(cfg, {"compile": False}), *a, **k)
+    return build
+
+
+def test_compiled_augmentation_equals_eager_in_bf16():
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    images = torch.randint(0, 256, (4, 3, 36, 40), dtype=torch.uint8)
+    eager = GpuMultiCrop(32, 16, 2, out_dtype=torch.bfloat16)(images, seed=1)
+    try:
+        compiled = GpuMultiCrop(32, 16, 2, out_dtype=torch.bfloat16, compile=True)(images, seed=1)
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        assert (a.float() - b.float()).abs().max() < 0.05  # a bf16 step of the normalized values
+
+
+# ---- 5. one GPU per process -----------------------------------------------------------------
+def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
+    from resmlp.core import dist
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(UserError, match="one process per GPU"):
+        dist.pick_device("auto")
+
+
+# ---- 6. memory: activation checkpointing and a clear out-of-memory error --------------------
+def test_grad_checkpointing_is_passed_to_the_model_and_keeps_gradients():
+    from resmlp.models.from_config import build_model
+    base = ["model.dim=16", "model.depth=2", "data.img_size=32", "model.patch_size=8"]
+    models = [build_model(load_config("dino", "resmlp_s12", [*base, f"model.grad_checkpointing={g}"]).model)
+              for g in ("false", "true")]
+    assert [m.grad_checkpointing for m in models] == [False, True]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    grads = []
+    for m in models:
+        m(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+@needs_fmnist
+def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
+    from resmlp.core.cli import main
+    from resmlp.ssl import step as step_module
+    from resmlp.ssl import train as dino_train
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    calls = {"n": 0}
+    real = step_module.DinoStep.__call__
+
+    def oom_at_third(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, *a, **k)
+    monkeypatch.setattr(step_module.DinoStep, "__call__", oom_at_third)
+    code = main(["dino", "resmlp_s12", *TINY, "data.subset=128", "ckpt_every=1", f"out={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "32 images per GPU" in err[0] and "batch_size" in err[0] and "model.grad_checkpointing=true" in err[0]
+    assert "Traceback" not in err[0]
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=False)["iteration"] == 2
+
+
+def test_grad_checkpointing_may_change_on_resume():
+    from resmlp.core.engine import config_differences
+    saved = {"command": "dino", "model": {"name": "resmlp_s12", "grad_checkpointing": False}, "data": {}}
+    now = {"command": "dino", "model": {"name": "resmlp_s12", "grad_checkpointing": True}, "data": {}}
+    assert config_differences(saved, now) == []
+    now["model"]["dim"] = 8
+    assert config_differences(saved, now) == ["model.dim: <unset> -> 8"]
+
+
+# ---- 7. fp32 feature extraction, memory logging ----------------------------------------------
+@needs_fmnist
+def test_dino_knn_extracts_in_fp32_when_asked(tmp_path, monkeypatch):
+    from resmlp.eval import knn
+    from resmlp.ssl import train as dino_train
+    seen = []
+    monkeypatch.setattr(knn, "online_knn", lambda *a, **k: seen.append(k["amp_dtype"]) or
+                        {"knn_top1": 50.0, "knn_top5": 90.0})
+    cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "precision=fp32", f"out={tmp_path}"])
+    dino_train.train(cfg)
+    assert seen == [torch.float32]
+
+
+# ---- 8. run.sh installs nothing on a machine with its own environment ----------------------
+def test_run_sh_never_calls_apt_get_with_its_own_python(tmp_path):
+    """RESMLP_PYTHON set and no Fashion-MNIST anywhere: run.sh must not try apt-get (an
+    offline GPU node), and the command itself says where the data is missing."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "apt.log"
+    for tool in ("apt-get", "sudo"):
+        (fake / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {log}\nexit 1\n")
+        (fake / tool).chmod(0o755)
+    (fake / "id").write_text("#!/bin/sh\necho 0\n")  # pretend to be root, as on the GPU box
+    (fake / "id").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "RESMLP_PYTHON": sys.executable,
+           "HOME": str(tmp_path), "RESMLP_DATA_DIR": str(tmp_path / "data"),
+           "RESMLP_FMNIST_SEARCH": str(tmp_path / "nowhere")}
+    out = subprocess.run(["bash", "run.sh", "data", "data.download=false"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert not log.exists(), log.read_text()
+    assert out.returncode == 2 and "Fashion-MNIST" in out.stderr and "Traceback" not in out.stderr
