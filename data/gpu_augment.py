@@ -393,7 +393,9 @@ class GpuMultiCrop:
                 continue
             V, view = len(group), self.views[group[0]]
             S = view.size
-            u = u_all[group].transpose(0, 1).reshape(B * V, _NCOL)          # (B*V, cols)
+            # a slice, not u_all[group]: a list index is a fresh host tensor, and copying it
+            # to the GPU makes the host wait for the stream
+            u = u_all[group[0]:group[-1] + 1].transpose(0, 1).reshape(B * V, _NCOL)  # (B*V, cols)
             crops = torch.empty(B * V, S, 3, S, device=dev, dtype=torch.float32)
             self._crop(src, H, W, u, view, V, crops)
             crops.clamp_(0.0, 1.0)  # bicubic overshoot, as PIL's rounding to uint8 clips it

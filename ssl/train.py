@@ -182,7 +182,7 @@ def train(cfg):
                 record = {"epoch": it / ipe, "iteration": it, **stats,
                           "lr": lr_sched[it - 1], "wd": wd_sched[it - 1], "momentum": m_sched[it - 1],
                           "teacher_temp": t_sched[it - 1], "images_per_s": seen_since / max(dt, 1e-9),
-                          **run.memory_mb()}
+                          "elapsed_s": round(time.time() - run.started, 1), **run.memory_mb()}
                 run.log(record, step=it)
                 since_log.reset()
                 if run.interactive:
@@ -208,7 +208,7 @@ def train(cfg):
             eval_started = time.time()
             res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
             eval_seconds += time.time() - eval_started
-            run.log({"epoch": epoch + 1, **res}, step=it)
+            run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
         checkpoint(it)
 
     if cfg.save_rank_weights:  # to check that DDP kept the ranks in step

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from resmlp.bench import rows as R
 from resmlp.core.config import load_config
@@ -76,20 +77,40 @@ def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
     assert counts[8] <= 6, counts  # the end-of-run reads only
 
 
+class FreshHostTensors(TorchDispatchMode):
+    """Records tensors made from Python data (torch.tensor(list), a list used as an index):
+    on a GPU each is a copy from pageable host memory, after which the host waits for the
+    stream. 0-dim ones are exempt: they enter CUDA kernels as scalars, uncopied."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.lift_fresh.default and out.dim() > 0:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
 def test_step_and_augmentation_make_no_host_reads(monkeypatch):
-    """Three DINO steps with the batched augmentation: not a single read of a device value."""
+    """Three DINO steps with the batched augmentation: not a single read of a device value,
+    and no fresh host tensor to copy to the device."""
     from resmlp.data.gpu_augment import GpuMultiCrop
     cfg, plan = tiny_step()
     step = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
     aug = GpuMultiCrop.from_plan(plan, cfg.data)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
+    step(aug(images, seed=0, keys=torch.arange(8) + 80), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up: caches
     counter = SyncCounter(monkeypatch)
-    for i in range(3):
-        step(aug(images, seed=0, keys=torch.arange(8) + 8 * i), 1e-4, 0.04, 0.996, 0.04, 1)
+    with FreshHostTensors() as fresh:
+        for i in range(3):
+            step(aug(images, seed=0, keys=torch.arange(8) + 8 * i), 1e-4, 0.04, 0.996, 0.04, 1)
     assert counter.count == 0
+    assert fresh.shapes == []
     monkeypatch.undo()
     values = step.read()  # the one read, on demand
-    assert values["steps"] == 3 and values["nonfinite"] == 0 and values["loss"] > 0
+    assert values["steps"] == 4 and values["nonfinite"] == 0 and values["loss"] > 0
     assert {"teacher_entropy", "teacher_kl_mean", "last_loss"} <= set(values)
     assert step.read()["steps"] == 0  # read() resets the tally
 
