@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from resmlp.data import build_dataset, train_split_for_ssl
     from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
     from resmlp.data.resumable import build_train_loader
-    from resmlp.ssl.train import crop_plan
     from resmlp.bench import rows as R
+    from resmlp.ssl.crop_plan import crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
     report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch,
-                         "crops": R.crops_label(plan), "compile": bool(cfg.compile), "precision": precision},
+                         "crops": plan.label(), "compile": bool(cfg.compile), "precision": precision},
               "phases": {}}
 
     def record(name, seconds):
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {1e3 * seconds:9.2f} ms  {batch / seconds:10.0f} img/s", flush=True)
 
     # ---- loader alone ------------------------------------------------------------------
-    fixed = default_fixed_size(plan["global_size"])
+    fixed = default_fixed_size(plan.global_size)
     if "loader" in phases:
         dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
         loader, sampler = build_train_loader(dataset, uint8_fixed_size(fixed), batch, cfg.seed, cfg.num_workers,

@@ -183,7 +183,7 @@ def build_reference_networks(cfg, device: torch.device, backbone: str = "timm"):
     """Student and teacher for RefDinoStep from a dino config: timm's ResMLP (or ours with
     cfg.dino.local_crops' grid adaptation, backbone='ours') + the trainer's head."""
     from resmlp.models.from_config import build_model
-    from resmlp.ssl.multicrop import build_head
+    from resmlp.ssl.head import build_head
 
     def one(drop_path: float) -> nn.Module:
         if backbone == "timm":

@@ -68,15 +68,9 @@ def dino_config(p, model: str, strategy: str, extra=()):
     return load_config("dino", model, [*o, *extra])
 
 
-def crops_label(plan: dict) -> str:
-    text = f"2x{plan['global_size']}"
-    return text + (f"+{plan['n_local']}x{plan['local_size']}" if plan["n_local"] else "")
-
-
-def synthetic_crops(plan: dict, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
-    sizes = [plan["global_size"]] * 2 + [plan["local_size"]] * plan["n_local"]
-    return [torch.randn(batch, 3, s, s, device=device, generator=g) for s in sizes]
+    return [torch.randn(batch, 3, s, s, device=device, generator=g) for s in plan.sizes]
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -103,11 +97,11 @@ def build_reference_step(cfg, device: torch.device, strategy: str):
     crops (resize, none), ours with grid adaptation otherwise."""
     need_lightly()
     from resmlp.bench.reference import RefDinoStep, build_reference_networks, model_dims, timm_name
-    from resmlp.ssl.train import crop_plan
+    from resmlp.ssl.crop_plan import crop_plan
     plan = crop_plan(cfg)
     backbone = "timm" if strategy in ("resize", "none") else "ours"
     student, teacher = build_reference_networks(cfg, device, backbone)
-    step = RefDinoStep(student, teacher, int(cfg.dino.out_dim), 2 + plan["n_local"], device,
+    step = RefDinoStep(student, teacher, int(cfg.dino.out_dim), plan.n_crops, device,
                        fp16=device.type == "cuda", clip_grad=float(cfg.optim.clip_grad),
                        freeze_last_layer=int(cfg.dino.freeze_last_layer), student_temp=float(cfg.dino.student_temp),
                        center_momentum=float(cfg.dino.center_momentum))
@@ -181,7 +175,7 @@ def dino_family(ctx) -> None:
 
 def _step_inputs(ctx, model, strategy):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
-    from resmlp.ssl.train import crop_plan
+    from resmlp.ssl.crop_plan import crop_plan
     reset_memory(ctx.device)
     cfg = dino_config(ctx.p, model, strategy)
     plan = crop_plan(cfg)
@@ -207,8 +201,8 @@ def _dino_pair(ctx, model, strategy, flops, pair) -> dict:
     if not all(torch.isfinite(v).all() for v in last.values()):
         raise RuntimeError("non-finite loss: the timed steps skipped their updates")
     flops["flops"] = count_flops(lambda: call_step(ours, crops))
-    n_crops, batch = 2 + plan["n_local"], int(p.batch_size)
-    common = {"batch": batch, "crops": crops_label(plan), "interleaved": True}
+    n_crops, batch = plan.n_crops, int(p.batch_size)
+    common = {"batch": batch, "crops": plan.label(), "interleaved": True}
     pair["ref"] = {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "backbone": backbone,
                    "loss": float(last["ref"]), **common,
                    **step_fields(times["ref"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
@@ -237,9 +231,9 @@ def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
     finally:
         step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
-    fields = step_fields(t, int(p.batch_size), 2 + plan["n_local"], flops["flops"], ctx.peak_tflops, dev)
+    fields = step_fields(t, int(p.batch_size), plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
-    return {"precision": p.precision, "batch": int(p.batch_size), "crops": crops_label(plan),
+    return {"precision": p.precision, "batch": int(p.batch_size), "crops": plan.label(),
             "loss": loss, **fields}
 
 
@@ -252,10 +246,10 @@ def _dino_reference(ctx, model, strategy, flops) -> dict:
     if "flops" not in flops:
         flops["flops"] = count_flops(lambda: call_step(step, crops))
     step = None
-    fields = step_fields(t, int(p.batch_size), 2 + plan["n_local"], flops["flops"], ctx.peak_tflops, dev)
+    fields = step_fields(t, int(p.batch_size), plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
     return {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "batch": int(p.batch_size),
-            "crops": crops_label(plan), "backbone": backbone, "loss": loss, **fields}
+            "crops": plan.label(), "backbone": backbone, "loss": loss, **fields}
 
 
 # --------------------------------------------------------------------------- e2e
@@ -322,15 +316,9 @@ def loader_rate(loader, sampler, consume, warmup: int, steps: int, device, batch
     return (len(stamps) - 1 - half) * batch / (stamps[-1] - stamps[half])
 
 
-def _loader(dataset, sampler, batch: int, workers: int, device):
-    from torch.utils.data import DataLoader
-    return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0,
-                      prefetch_factor=2 if workers > 0 else None)
-
-
 def e2e_family(ctx) -> None:
-    from resmlp.ssl.train import crop_plan
+    """The trainer's data path (ssl.crop_plan.build_views + data.resumable.build_train_loader)
+    feeding the trainer's step, for each place the views can be made."""
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
     workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
     base = {"model": e.model, "strategy": e.strategy, "impl": "ours compile" if e.compile else "ours eager",
@@ -342,14 +330,15 @@ def e2e_family(ctx) -> None:
             t0 = time.perf_counter()
             kb = make_jpeg_folder(root, int(e.n_images), int(e.min_px), int(e.max_px))
             reset_memory(dev)
-            cfg = dino_config(p, e.model, e.strategy, [f"data.root={root}"])
-            state.update(cfg=cfg, plan=crop_plan(cfg), step=build_our_step(cfg, dev, p.precision, bool(e.compile)))
+            cfg = dino_config(p, e.model, e.strategy, [f"data.root={root}", f"compile={bool(e.compile)}",
+                                                       f"num_workers={workers}"])
+            state.update(cfg=cfg, step=build_our_step(cfg, dev, p.precision, bool(e.compile)))
             return {"images": int(e.n_images), "mean_kb": kb, "write_s": time.perf_counter() - t0}
         if ctx.attempt("e2e", {**base, "path": "write JPEGs"}, setup)["status"] != "ok":
             return
         ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
-        ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e_cpu(ctx, state, workers))
-        ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e_gpu(ctx, state, workers))
+        ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e(ctx, state, "workers"))
+        ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e(ctx, state, "device"))
     finally:
         state.clear()
         _compile_cleanup(bool(e.compile))
@@ -357,65 +346,42 @@ def e2e_family(ctx) -> None:
 
 
 def _e2e_synthetic(ctx, state) -> dict:
-    p, dev, plan = ctx.p, ctx.device, state["plan"]
+    from resmlp.ssl.crop_plan import crop_plan
+    p, dev = ctx.p, ctx.device
+    plan = crop_plan(state["cfg"])
     crops = synthetic_crops(plan, int(p.batch_size), dev)
     t, _ = time_step(state["step"], crops, dev, p)
     state["synthetic"] = int(p.batch_size) / t.seconds
-    return {"images_per_s": state["synthetic"], "crops": crops_label(plan), "first_s": t.first_s,
+    return {"images_per_s": state["synthetic"], "crops": plan.label(), "first_s": t.first_s,
             "mem_gb": peak_memory_gb(dev)}
 
 
-def _vs_synthetic(state, rate: float) -> float | None:
-    return rate / state["synthetic"] if state.get("synthetic") else None
+def _e2e(ctx, state, where: str) -> dict:
+    """Loader alone (views on the device, no step), then loader + step, images/s."""
+    from omegaconf import OmegaConf
 
-
-def _e2e_cpu(ctx, state, workers: int) -> dict:
-    from resmlp.data import build_dataset, build_multicrop_transform
-    from resmlp.data.resumable import EpochSampler, SeededTransform
-    p, e, dev, cfg, plan, step = ctx.p, ctx.p.e2e, ctx.device, state["cfg"], state["plan"], state["step"]
-    batch = int(p.batch_size)
-    dataset = build_dataset(cfg.data, "train")
-    transform = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
-                                          plan["global_scale"], plan["local_scale"])
-    sampler = EpochSampler(len(dataset), batch, seed=0)
-    loader = _loader(SeededTransform(dataset, transform, 0), sampler, batch, workers, dev)
-
-    def to_device(b):
-        return [c.to(dev, non_blocking=True) for c in b[0]]
-    only = loader_rate(loader, sampler, to_device, int(e.warmup), int(e.steps), dev, batch)
-    full = loader_rate(loader, sampler, lambda b: call_step(step, to_device(b)), int(e.warmup), int(e.steps),
-                       dev, batch)
-    del loader
-    return {"images_per_s": full, "vs_synthetic": _vs_synthetic(state, full), "loader_only_images_per_s": only,
-            "mem_gb": peak_memory_gb(dev)}
-
-
-def _e2e_gpu(ctx, state, workers: int) -> dict:
     from resmlp.data import build_dataset
-    from resmlp.data.gpu_augment import GpuMultiCrop, uint8_fixed_size
-    from resmlp.data.resumable import KeyedDataset
-    from resmlp.data.resumable import EpochSampler
-    p, e, dev, cfg, plan, step = ctx.p, ctx.p.e2e, ctx.device, state["cfg"], state["plan"], state["step"]
+    from resmlp.data.resumable import build_train_loader
+    from resmlp.ssl.crop_plan import build_views, crop_plan
+    p, e, dev, step = ctx.p, ctx.p.e2e, ctx.device, state["step"]
+    cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}})
     batch = int(p.batch_size)
-    aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(e.interpolation), compile=bool(e.aug_compile))
-    dataset = KeyedDataset(build_dataset(cfg.data, "train"), uint8_fixed_size(int(e.fixed_size)))
-    sampler = EpochSampler(len(dataset), batch, seed=0)
-    loader = _loader(dataset, sampler, batch, workers, dev)
-
-    def crops_of(b):
-        images, _, keys = b
-        return aug(images.to(dev, non_blocking=True), seed=int(ctx.seed), keys=keys.to(dev, non_blocking=True))
+    views = build_views(cfg, crop_plan(cfg), out_dtype=DTYPES[p.precision] if dev.type == "cuda" else torch.float32)
+    loader, sampler = build_train_loader(build_dataset(cfg.data, "train"), views.transform, batch, cfg.seed,
+                                         cfg.num_workers, pin_memory=dev.type == "cuda", keyed=views.keyed)
 
     def only(b):
-        crops_of(b)
-        sync(dev)
+        views.to_device(b, dev)
     loader_only = loader_rate(loader, sampler, only, int(e.warmup), int(e.steps), dev, batch)
-    full = loader_rate(loader, sampler, lambda b: call_step(step, crops_of(b)), int(e.warmup), int(e.steps),
-                       dev, batch)
+    full = loader_rate(loader, sampler, lambda b: call_step(step, views.to_device(b, dev)), int(e.warmup),
+                       int(e.steps), dev, batch)
     del loader
-    _compile_cleanup(bool(e.aug_compile))
-    return {"images_per_s": full, "vs_synthetic": _vs_synthetic(state, full), "loader_only_images_per_s": loader_only,
-            "fixed_size": int(e.fixed_size), "aug": repr(aug), "mem_gb": peak_memory_gb(dev)}
+    synthetic = state.get("synthetic")
+    out = {"images_per_s": full, "vs_synthetic": full / synthetic if synthetic else None,
+           "loader_only_images_per_s": loader_only, "mem_gb": peak_memory_gb(dev)}
+    if views.batch_augment is not None:
+        out["aug"] = repr(views.batch_augment)
+    return out
 
 
 # --------------------------------------------------------------------------- inference
@@ -601,9 +567,9 @@ def _knn_raw(ctx, train, test, dtype) -> dict:
 
 def aug_family(ctx) -> None:
     from resmlp.data import build_multicrop_transform
-    from resmlp.data.gpu_augment import GpuMultiCrop, uint8_fixed_size
+    from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
     from resmlp.data.transforms import mean_std
-    from resmlp.ssl.train import crop_plan
+    from resmlp.ssl.crop_plan import crop_plan
     a, p = ctx.p.aug, ctx.p
     cfg = dino_config(p, ctx.models[0], "subgrid")
     plan = crop_plan(cfg)
@@ -612,21 +578,22 @@ def aug_family(ctx) -> None:
     sides = rng.integers(int(a.min_px), int(a.max_px) + 1, (int(a.n_images), 2))
     images = [synthetic_image(int(w), int(h), i) for i, (w, h) in enumerate(sides)]
     few = images[:max(1, int(a.cpu_images))]
-    label = crops_label(plan)
-    fixed = uint8_fixed_size(int(a.fixed_size))
+    label = plan.label()
+    side = default_fixed_size(plan.global_size)  # what the trainer's loader delivers
+    fixed = uint8_fixed_size(side)
     batch = torch.stack([fixed(im) for im in images[:int(a.batch_size)]])
 
     # Per CPU core: every transform on the same images, timed in alternating repeats.
     per_core = {}   # key -> (identity, callable over the images, number of images)
-    ours = build_multicrop_transform(cfg.data, plan["global_size"], plan["local_size"], plan["n_local"],
-                                     plan["global_scale"], plan["local_scale"])
+    ours = build_multicrop_transform(cfg.data, plan.global_size, plan.local_size, plan.n_local,
+                                     plan.global_scale, plan.local_scale)
     per_core["ours"] = ({"impl": "ours CPU (build_multicrop_transform)", "crops": label}, _over(ours, few), len(few))
     try:
         need_lightly()
         from lightly.transforms import DINOTransform
-        lightly_t = DINOTransform(global_crop_size=plan["global_size"], global_crop_scale=plan["global_scale"],
-                                  local_crop_size=plan["local_size"], local_crop_scale=plan["local_scale"],
-                                  n_local_views=plan["n_local"], normalize={"mean": list(mean), "std": list(std)})
+        lightly_t = DINOTransform(global_crop_size=plan.global_size, global_crop_scale=plan.global_scale,
+                                  local_crop_size=plan.local_size, local_crop_scale=plan.local_scale,
+                                  n_local_views=plan.n_local, normalize={"mean": list(mean), "std": list(std)})
         per_core["lightly"] = ({"impl": "lightly DINOTransform", "crops": label}, _over(lightly_t, few), len(few))
     except Skip as e:
         reason = str(e)
@@ -634,7 +601,7 @@ def aug_family(ctx) -> None:
         def skipped():
             raise Skip(reason)
         ctx.attempt("aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, skipped)
-    per_core["fixed"] = ({"impl": f"uint8_fixed_size({int(a.fixed_size)}) (GPU path's loader side)", "crops": "-"},
+    per_core["fixed"] = ({"impl": f"uint8_fixed_size({side}) (GPU path's loader side)", "crops": "-"},
                          _over(fixed, few), len(few))
     for interp in a.interpolation:
         aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(interp))

@@ -23,17 +23,19 @@ class Command:
 COMMANDS = {
     "dino": Command("resmlp.ssl.train:run", "DINO self-supervised pretraining", "model"),
     "knn": Command("resmlp.eval.knn:run", "k-NN accuracy of frozen features", "checkpoint",
-                   {"k": "knn.k", "T": "knn.temperature", "key": "knn.key"}),
+                   {"k": "knn.k", "T": "knn.temperature", "key": "features.key"}),
     "linear": Command("resmlp.eval.linear:run", "linear probe on frozen features", "checkpoint",
-                      {"key": "knn.key"}),
+                      {"key": "features.key"}),
     "viz": Command("resmlp.eval.viz:run", "the paper's figures: cross-patch weights, sparsity, curves",
-                   "checkpoint", {"key": "knn.key"}),
+                   "checkpoint", {"key": "features.key"}),
     "supervised": Command("resmlp.supervised.train:run", "supervised training from scratch", "model"),
     "distill": Command("resmlp.supervised.train:run", "DeiT hard (or soft) distillation from a teacher",
                        "model", {"teacher": "distill.teacher"}),
     "finetune": Command("resmlp.supervised.train:run", "supervised fine-tuning of a DINO checkpoint",
                         "checkpoint"),
     "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model"),
+    "export": Command("resmlp.models.checkpoints:run", "a backbone for timm / the official code / safetensors",
+                      "checkpoint", {"format": "export.format", "key": "features.key"}),
     "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true)"),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),
 }
@@ -51,13 +53,13 @@ def usage() -> str:
               "  bash run.sh dino resmlp_s24 data=imagenet data.root=/data/imagenet",
               "  bash run.sh knn runs/dino_resmlp_s12_fashion_mnist k=10,20 T=0.07",
               "  NPROC_PER_NODE=8 bash run.sh dino resmlp_s12 data=imagenet data.root=...",
-              "config files: configs/ (defaults.yaml, method/, model/, data/, recipe/)"]
+              "config files: configs/ (defaults.yaml, method/, data/, recipe/)"]
     return "\n".join(lines)
 
 
 def model_names() -> list[str]:
-    from resmlp.core.config import available
-    return available("model")
+    from resmlp.models import list_models
+    return list_models()
 
 
 def check_model(name: str, command: str) -> None:

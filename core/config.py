@@ -2,8 +2,8 @@
 
 Merge order, later wins:
     configs/defaults.yaml
-    configs/method/<command>.yaml      (dino, knn, supervised, ...)
-    configs/model/<model>.yaml
+    configs/method/<command>.yaml      (dino, knn, supervised, ...); a method file that says
+                                       `extends: <other method>` is merged over that one
     configs/data/<data>.yaml           (image size, patch size, normalization per dataset)
     configs/recipe/<command>_<data>.yaml   (e.g. the paper's ImageNet schedules)
     command-line overrides
@@ -32,6 +32,22 @@ def _load_yaml(path: Path) -> DictConfig:
         return OmegaConf.load(path)
     except OmegaConfBaseException as e:
         raise UserError(f"{path}: {e}".splitlines()[0]) from None
+
+
+def method_config(command: str, _seen: tuple = ()) -> DictConfig:
+    """configs/method/<command>.yaml over the method it `extends` (if any), recursively."""
+    path = CONFIG_DIR / "method" / f"{command}.yaml"
+    if not path.exists():
+        return OmegaConf.create({})
+    cfg = _load_yaml(path)
+    base = cfg.pop("extends", None)
+    if base is None:
+        return cfg
+    if base in _seen or base == command:
+        raise UserError(f"{path}: `extends: {base}` makes a cycle ({' -> '.join((*_seen, command, base))})")
+    if not (CONFIG_DIR / "method" / f"{base}.yaml").exists():
+        raise UserError(f"{path}: `extends: {base}` names no file configs/method/{base}.yaml")
+    return OmegaConf.merge(method_config(base, (*_seen, command)), cfg)
 
 
 def split_overrides(args: Iterable[str]) -> list[str]:
@@ -80,19 +96,15 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
         model = model or OmegaConf.select(OmegaConf.create(base), "model.name")
         data = data or OmegaConf.select(OmegaConf.create(base), "data.name")
 
-    cfg = _load_yaml(CONFIG_DIR / "defaults.yaml")
-    layers = [CONFIG_DIR / "method" / f"{command}.yaml"]
-    if model:
-        layers.append(CONFIG_DIR / "model" / f"{model}.yaml")
+    # New keys may come from method files (their own sections); struct mode starts once
+    # every file is in.
+    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
     data = data or cfg.data.name
     data_file = CONFIG_DIR / "data" / f"{data}.yaml"
     if not data_file.exists():
         raise UserError(f"unknown dataset {data!r}; choose one of: {', '.join(available('data'))}")
-    layers += [data_file, CONFIG_DIR / "recipe" / f"{command}_{data}.yaml"]
-    for path in layers:
+    for path in (data_file, CONFIG_DIR / "recipe" / f"{command}_{data}.yaml"):
         if path.exists():
-            # New keys may come from method files (their own sections); struct mode
-            # starts once every file is in.
             cfg = OmegaConf.merge(cfg, _load_yaml(path))
     if base is not None:
         saved = OmegaConf.create(base)

@@ -1,15 +1,25 @@
 """What every training run shares: device and process group, run directory, precision,
-logging (stdout, log.jsonl, TensorBoard), checkpoints and resume.
+logging (stdout, log.jsonl, TensorBoard), checkpoints and resume, and the loop's cadence.
 
-DINO, supervised training, distillation and fine-tuning all open a `Run`; the trainers
-keep only their own loop.
+DINO, supervised training, distillation and fine-tuning all open a `Run` and keep only
+their own loop, which they write top to bottom with the shared pieces:
+
+    run = Run(cfg)
+    start_it, results = run.restore(model=model, optimizer=optimizer, ...)
+    cadence = Cadence(run, iterations_per_epoch, start_it)
+    for each batch:  ...step...; cadence.tally.add(loss, **stats)
+        if cadence.log_due(it): values = cadence.read(it)        # the sync point
+        if cadence.checkpoint_due(it): cadence.checkpoint(it, results, model=model, ...)
+        cadence.after_iteration(it)
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,9 +29,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from resmlp.core import dist
-from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from resmlp.core.config import save_config, to_dict
 from resmlp.core.errors import RunFailed, UserError
+
+# Fault injection for the resume tests: the process kills itself after this iteration.
+KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
 
 # Sections whose change makes a saved checkpoint unusable for this run, and the keys in
 # them that may change on resume (memory settings: the weights do not depend on them).
@@ -173,6 +186,23 @@ class Run:
                    f"iteration {state.get('iteration')})")
         return state
 
+    def restore(self, **state) -> tuple[int, dict]:
+        """Resume: load the checkpoint's entry of each name into the object given for it
+        (anything with load_state_dict; a tensor is copied into), and the RNG states.
+        Returns (iteration to start at, the saved results); (0, {}) for a fresh run."""
+        saved = self.resume_state()
+        if saved is None:
+            return 0, {}
+        for name, obj in state.items():
+            if obj is None or saved.get(name) is None:
+                continue
+            if isinstance(obj, torch.Tensor):
+                obj.copy_(saved[name].to(obj.device))
+            else:
+                obj.load_state_dict(saved[name])
+        set_rng_state(saved["rng"])
+        return int(saved["iteration"]), saved.get("results", {})
+
     # ---- during training ---------------------------------------------------------------
     def autocast(self):
         if self.amp_dtype is None:
@@ -221,6 +251,139 @@ class Run:
                 json.dump(results, f, indent=2)
         self.logger.close()
         return results
+
+
+class DeviceTally:
+    """Per-step scalars summed on the device between reads, so that the loop never waits
+    for the GPU: `add` queues a few tiny kernels, `read` is the one host sync."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.steps = 0
+        self.last_loss: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, **stats: torch.Tensor) -> None:
+        loss = loss.detach().float()
+        values = {"loss": loss, "nonfinite": (~torch.isfinite(loss)).float(),
+                  **{k: v.detach().float() for k, v in stats.items()}}
+        for k, v in values.items():
+            if k in self.sums:
+                self.sums[k].add_(v)
+            else:
+                self.sums[k] = v.clone()
+        self.steps += 1
+        self.last_loss = loss
+
+    def read(self) -> dict:
+        """Means over every process of the steps since the last read, this process's
+        `last_loss`, and `nonfinite`: how many of those steps, on all processes together,
+        had a non-finite loss (every rank reads at the same iterations, so all agree to
+        stop). Resets the sums."""
+        if not self.steps:
+            return {"steps": 0, "nonfinite": 0}
+        names = list(self.sums)
+        packed = dist.all_reduce_sum(torch.stack([self.sums[k].reshape(()) for k in names]))
+        values = packed.tolist() + [self.last_loss.item()]  # <- the sync
+        steps, self.sums, self.steps, self.last_loss = self.steps, {}, 0, None
+        n = steps * dist.world_size()
+        out = {k: v / n for k, v in zip(names, values) if k != "nonfinite"}
+        return {**out, "last_loss": values[-1], "nonfinite": int(values[names.index("nonfinite")]), "steps": steps}
+
+
+class Means:
+    """Host-side means of what DeviceTally.read() returned, weighted by its steps."""
+
+    def __init__(self):
+        self.sums, self.steps = {}, 0
+
+    def add(self, values: dict) -> None:
+        n = values["steps"]
+        for k, v in values.items():
+            if k not in ("steps", "nonfinite", "last_loss"):
+                self.sums[k] = self.sums.get(k, 0.0) + v * n
+        self.steps += n
+
+    def take(self) -> dict:
+        """The means so far, and start again."""
+        out = {k: v / self.steps for k, v in self.sums.items()} if self.steps else {}
+        self.sums, self.steps = {}, 0
+        return out
+
+
+class Cadence:
+    """When a training loop logs, checkpoints and evaluates, and the reads of its device
+    tally in between: one schedule for every trainer.
+
+    log lines every cfg.log_every iterations and at the last one; extra checkpoints every
+    cfg.ckpt_every iterations inside an epoch (and always at epoch ends); evaluations
+    every cfg.eval_every epochs except the last (the trainer's final report covers it).
+    A read that finds a non-finite loss stops the run before anything is saved.
+    """
+
+    def __init__(self, run: "Run", iterations_per_epoch: int, start_it: int, tally: DeviceTally | None = None):
+        cfg = run.cfg
+        self.run, self.ipe, self.total = run, iterations_per_epoch, cfg.epochs * iterations_per_epoch
+        self.log_every, self.ckpt_every, self.eval_every = int(cfg.log_every), int(cfg.ckpt_every), int(cfg.eval_every)
+        self.tally = tally if tally is not None else DeviceTally()
+        self.since_log, self.epoch = Means(), Means()
+        self.last_read = start_it
+        self.kill_at = int(os.environ.get(KILL_AT_ENV, "0"))
+        self.interval_started, self.images_since = time.time(), 0
+
+    def log_due(self, it: int) -> bool:
+        return it % self.log_every == 0 or it == self.total
+
+    def checkpoint_due(self, it: int) -> bool:
+        """A mid-epoch checkpoint (epoch ends always save)."""
+        return bool(self.ckpt_every) and it % self.ckpt_every == 0 and it % self.ipe != 0
+
+    def eval_due(self, epoch: int) -> bool:
+        """After `epoch` (1-based) is done."""
+        return bool(self.eval_every) and epoch % self.eval_every == 0 and epoch != self.total // self.ipe
+
+    def read(self, it: int) -> None:
+        """Bring the device tally to the host (the sync point); stop on a non-finite loss."""
+        values = self.tally.read()
+        if values["nonfinite"]:
+            self.run.stop_nonfinite(values["last_loss"], f"an iteration in {self.last_read + 1}..{it} "
+                                                         f"(epoch {(it - 1) // self.ipe + 1})")
+        self.last_read = it
+        self.since_log.add(values)
+        self.epoch.add(values)
+
+    def log_record(self, it: int) -> dict:
+        """read(), then the means since the last log line with the rate and memory; the
+        caller adds its own fields and passes the record to run.log."""
+        self.read(it)
+        dt = time.time() - self.interval_started
+        record = {"epoch": it / self.ipe, "iteration": it, **self.since_log.take(),
+                  "images_per_s": self.images_since / max(dt, 1e-9),
+                  "elapsed_s": round(time.time() - self.run.started, 1), **self.run.memory_mb()}
+        self.interval_started, self.images_since = time.time(), 0
+        return record
+
+    def count(self, images: int) -> None:
+        self.images_since += images
+
+    def checkpoint(self, it: int, results: dict, **state) -> None:
+        """read() (never save weights a non-finite loss may have reached), then save the
+        state_dict of every object given (tensors as they are), the position and the RNGs."""
+        self.read(it)
+        self.run.save({**{k: _state_of(v) for k, v in state.items()}, "epoch": it // self.ipe, "iteration": it,
+                       "rng": rng_state(), "results": results})
+
+    def after_iteration(self, it: int) -> None:
+        if self.kill_at and it == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _state_of(obj):
+    if obj is None or isinstance(obj, (int, float, str, dict, list)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    return obj.state_dict()
 
 
 def command(train):

@@ -6,7 +6,7 @@ anchors"). Here the workers only decode and bring every image to one fixed size
 (`uint8_fixed_size`), and `GpuMultiCrop` makes all the views of the batch on the
 device, every sample with its own random parameters:
 
-    crops = GpuMultiCrop(**crop_plan(cfg), mean=mean, std=std)(images_uint8, seed, keys)
+    crops = GpuMultiCrop.from_plan(crop_plan(cfg), cfg.data)(images_uint8, seed, keys)
     # -> [global_1, global_2, local_1 .. local_n], float (B, 3, S, S), normalized
 
 Per view, in DINO's order (same probabilities as multicrop.py's table):
@@ -311,8 +311,9 @@ class GpuMultiCrop:
     """Batched DINO multi-crop on the device (module doc): uint8 (B, 3, H, W) ->
     [global_1, global_2, local_1..local_n], each (B, 3, S, S) normalized `out_dtype`.
 
-    The constructor takes crop_plan(cfg)'s keys (global_size, local_size, n_local,
-    global_scale, local_scale) and the normalization; the rest are DINO's defaults.
+    The constructor takes a crop plan's fields (global_size, local_size, n_local,
+    global_scale, local_scale; see resmlp.ssl.crop_plan) and the normalization; the rest
+    are DINO's defaults.
     `normalize=False` returns values in [0, 1] (tests, inspection). `compile=True` runs
     the photometric stage through torch.compile (worth it on a GPU; see bench/NOTES.md).
     """
@@ -353,12 +354,12 @@ class GpuMultiCrop:
         self._probs: dict = {}
 
     @classmethod
-    def from_plan(cls, plan: dict, data_cfg, **kwargs) -> "GpuMultiCrop":
-        """From ssl.train.crop_plan(cfg) and the data section (mean / std)."""
+    def from_plan(cls, plan, data_cfg, **kwargs) -> "GpuMultiCrop":
+        """From a crop plan (resmlp.ssl.crop_plan.CropPlan) and the data section (mean / std)."""
         from resmlp.data.transforms import mean_std
         mean, std = mean_std(data_cfg)
-        keys = ("global_size", "local_size", "n_local", "global_scale", "local_scale")
-        return cls(**{k: plan[k] for k in keys}, mean=mean, std=std, **kwargs)
+        return cls(plan.global_size, plan.local_size, plan.n_local, plan.global_scale, plan.local_scale,
+                   mean=mean, std=std, **kwargs)
 
     @property
     def n_views(self) -> int:

@@ -22,15 +22,11 @@ it, `blur_kernel` = int(0.1 * global_size) made odd (>= 3; 23 at 224), is
 recorded in each ViewSpec for a kernel-based (GPU) implementation. The CPU path runs
 PIL's Gaussian blur (fast; torchvision's GaussianBlur is ~20x slower at 224 px).
 
-Local crops and fixed-grid models: ResMLP's cross-patch layer fixes the patch grid, so
-`resize_local_to=R` crops locals at `local_size` and then resizes them to R (e.g. the
-global size: DINO "resize" strategy). To crop locals straight at the global resolution,
-pass local_size=global_size instead.
-
-GPU hook: `output="uint8"` runs only the geometric stage and returns uint8 tensors
-(3, S, S); the photometric parameters of view i are in `transform.views[i]`
-(ViewSpec), and `transform.mean/std` hold the normalization for a later GPU stage.
-All randomness comes from torch's RNG (seeded per DataLoader worker).
+Local crops and fixed-grid models: ResMLP's cross-patch layer fixes the patch grid; the
+"resize" strategy (resmlp.ssl.crop_plan) crops the locals straight at the global
+resolution by passing local_size=global_size. The parameters of view i are in
+`transform.views[i]` (ViewSpec). All randomness comes from torch's RNG (seeded per
+DataLoader worker).
 """
 from __future__ import annotations
 
@@ -49,10 +45,9 @@ DINO_SIGMA_AT_224 = (0.1, 2.0)
 
 @dataclass(frozen=True)
 class ViewSpec:
-    """Everything that defines one view; the photometric fields are what a GPU stage needs."""
+    """Everything that defines one view."""
     size: int                          # output side in pixels
     scale: tuple[float, float]         # RandomResizedCrop area fraction
-    crop_size: int                     # RandomResizedCrop output side (== size unless resized)
     flip_prob: float = 0.5
     jitter: tuple = DINO_JITTER
     jitter_prob: float = 0.8
@@ -85,11 +80,8 @@ class RandomGaussianBlur(torch.nn.Module):
 
 
 def geometric(view: ViewSpec) -> v2.Compose:
-    steps = [v2.RandomResizedCrop(view.crop_size, scale=view.scale, interpolation=BICUBIC, antialias=True),
-             v2.RandomHorizontalFlip(view.flip_prob)]
-    if view.crop_size != view.size:
-        steps.append(v2.Resize((view.size, view.size), interpolation=BICUBIC, antialias=True))
-    return v2.Compose(steps)
+    return v2.Compose([v2.RandomResizedCrop(view.size, scale=view.scale, interpolation=BICUBIC, antialias=True),
+                       v2.RandomHorizontalFlip(view.flip_prob)])
 
 
 def photometric(view: ViewSpec) -> v2.Compose:
@@ -106,35 +98,24 @@ def photometric(view: ViewSpec) -> v2.Compose:
 class MultiCropTransform:
     """Callable: RGB PIL image -> list of tensors, one per view in `views` (see module doc)."""
 
-    def __init__(self, views: list[ViewSpec], mean, std, output: str = "float"):
-        if output not in ("float", "uint8"):
-            raise UserError(f"multi-crop output={output!r} is not one of float, uint8")
+    def __init__(self, views: list[ViewSpec], mean, std):
         self.views = list(views)
-        self.mean, self.std, self.output = tuple(mean), tuple(std), output
+        self.mean, self.std = tuple(mean), tuple(std)
         self.n_global = 2
         self._geometric = [geometric(v) for v in self.views]
         self._photometric = [photometric(v) for v in self.views]
         self._finish = v2.Compose(to_normalized_tensor(mean, std))
-        self._to_uint8 = v2.Compose([v2.PILToTensor(), v2.ToPureTensor()])
 
     def __call__(self, img: Image.Image) -> list[torch.Tensor]:
-        crops = []
-        for geo, photo in zip(self._geometric, self._photometric):
-            crop = geo(img)
-            if self.output == "uint8":
-                crops.append(self._to_uint8(crop))
-            else:
-                crops.append(self._finish(photo(crop)))
-        return crops
+        return [self._finish(photo(geo(img))) for geo, photo in zip(self._geometric, self._photometric)]
 
     def __repr__(self) -> str:
         sizes = ", ".join(str(v.size) for v in self.views)
-        return f"MultiCropTransform(views=[{sizes}], output={self.output})"
+        return f"MultiCropTransform(views=[{sizes}])"
 
 
 def build_multicrop_transform(data_cfg, global_size: int, local_size: int, n_local: int,
                               global_scale=(0.4, 1.0), local_scale=(0.05, 0.4),
-                              resize_local_to: int | None = None, output: str = "float",
                               blur_sigma: tuple[float, float] | None = None) -> MultiCropTransform:
     """DINO's 2 global + n_local local views (see the module doc for every default).
 
@@ -150,8 +131,7 @@ def build_multicrop_transform(data_cfg, global_size: int, local_size: int, n_loc
     kernel = blur_kernel_size(global_size)
     g_scale, l_scale = tuple(global_scale), tuple(local_scale)
     common = dict(blur_sigma=sigma, blur_kernel=kernel)
-    views = [ViewSpec(global_size, g_scale, global_size, blur_prob=1.0, **common),
-             ViewSpec(global_size, g_scale, global_size, blur_prob=0.1, solarize_prob=0.2, **common)]
-    local_out = int(resize_local_to) if resize_local_to else local_size
-    views += [ViewSpec(local_out, l_scale, local_size, blur_prob=0.5, **common) for _ in range(n_local)]
-    return MultiCropTransform(views, mean, std, output)
+    views = [ViewSpec(global_size, g_scale, blur_prob=1.0, **common),
+             ViewSpec(global_size, g_scale, blur_prob=0.1, solarize_prob=0.2, **common)]
+    views += [ViewSpec(local_size, l_scale, blur_prob=0.5, **common) for _ in range(n_local)]
+    return MultiCropTransform(views, mean, std)

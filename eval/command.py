@@ -1,14 +1,17 @@
-"""What the knn / linear / viz commands share: config reading, the backbone, the features
-of both splits, where results go, and writing them.
+"""The runtime the knn / linear / viz commands share, as the trainers share core.engine.Run:
+joining (and always leaving) the process group, the backbone to evaluate, the features of
+a split, where results go, and the report they write.
 
 Results go to cfg.out when set, else beside the checkpoint (a run dir: into it), else
-(timm:<name>) to runs/eval/<name>/.
+(timm:<name>) to runs/eval/<name>/. Each command writes <out>/<command>.json: its
+results, what was evaluated, the wall time and the resolved config.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,23 +20,10 @@ import torch.nn as nn
 
 from resmlp.core import dist
 from resmlp.core.checkpoint import atomic_write
+from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
-from resmlp.eval.checkpoints import describe, load_backbone
 from resmlp.eval.features import amp_dtype_from_precision, features_for
-
-
-def select(cfg, key: str, default=None):
-    """cfg value at a dotted key, or default when the key is absent or null."""
-    from omegaconf import OmegaConf
-    try:
-        v = OmegaConf.select(cfg, key, default=default)
-    except Exception:  # noqa: BLE001 - plain dicts
-        v = cfg
-        for part in key.split("."):
-            if not isinstance(v, dict) or part not in v:
-                return default
-            v = v[part]
-    return default if v is None else v
+from resmlp.models.checkpoints import describe, load_backbone
 
 
 def log(msg: str) -> None:
@@ -52,9 +42,8 @@ class Backbone:
 
 def output_dir(cfg, info: dict, sub: str | None = None) -> Path:
     """cfg.out, else the checkpoint's folder (its run dir), else runs/eval/<timm name>."""
-    out = select(cfg, "out")
-    if out:
-        return Path(out)
+    if cfg.out:
+        return Path(cfg.out)
     if info.get("path"):
         base = Path(info["path"]).parent
     else:
@@ -62,31 +51,49 @@ def output_dir(cfg, info: dict, sub: str | None = None) -> Path:
     return base / sub if sub else base
 
 
-def open_backbone(cfg, sub_dir: str | None = None) -> Backbone:
-    """Join torchrun if any, load cfg.checkpoint (network knn.key) onto this process's device."""
-    spec = select(cfg, "checkpoint")
-    if not spec:
+def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) -> Backbone:
+    """Join torchrun if any; load cfg.checkpoint (network features.key) onto this process's
+    device (or `device`)."""
+    if not cfg.checkpoint:
         raise UserError("no checkpoint given: pass a checkpoint file, a run dir or timm:<name>")
-    device = dist.setup(select(cfg, "device", "auto"))
-    key = select(cfg, "knn.key", "teacher")
-    model, info = load_backbone(spec, key=key, device=device,
-                                pretrained=bool(select(cfg, "features.pretrained", True)),
-                                img_size=select(cfg, "data.img_size"))
-    amp = amp_dtype_from_precision(select(cfg, "precision", "auto"), device)
+    dev = dist.setup(cfg.device) if device is None else torch.device(device)
+    model, info = load_backbone(cfg.checkpoint, key=cfg.features.key, device=dev,
+                                pretrained=bool(cfg.features.pretrained), img_size=cfg.data.img_size)
+    amp = amp_dtype_from_precision(cfg.precision, dev)
     log(f"backbone: {describe(info)}")
-    return Backbone(model, info, device, amp, output_dir(cfg, info, sub_dir))
+    return Backbone(model, info, dev, amp, output_dir(cfg, info, sub_dir))
+
+
+def eval_command(body, sub_dir: str | None = None, device: str | None = None):
+    """The CLI entry `run(cfg)` of an evaluator `body(cfg, backbone) -> report or None`.
+
+    Opens the backbone (joining torchrun's process group), runs the body, and on rank 0
+    writes the report to <out>/<command>.json with the checkpoint summary, the wall time
+    and the resolved config; the process group is left on any exit."""
+    def run(cfg) -> int:
+        started = time.time()
+        try:
+            bb = open_backbone(cfg, sub_dir, device)
+            report = body(cfg, bb)
+            if dist.is_main() and report is not None:
+                path = write_json(bb.out_dir / f"{cfg.command}.json", {
+                    **report, "checkpoint": checkpoint_summary(bb.info),
+                    "wall_time_s": round(time.time() - started, 1), "config": to_dict(cfg)})
+                log(f"wrote {path}")
+            dist.barrier()
+        finally:
+            dist.cleanup()
+        return 0
+    return run
 
 
 def split_features(cfg, bb: Backbone, split: str, n_last_blocks: int = 1) -> dict:
     """features_for one split with the command's config (cache dir, batch, workers)."""
     return features_for(
         bb.model, bb.info, cfg.data, split, device=bb.device,
-        batch_size=int(select(cfg, "knn.batch_size", 256)),
-        num_workers=int(select(cfg, "num_workers", 0)),
-        n_last_blocks=n_last_blocks,
-        cache_dir=select(cfg, "features.cache_dir"),
-        use_cache=bool(select(cfg, "features.cache", True)),
-        amp_dtype=bb.amp_dtype, log=log)
+        batch_size=int(cfg.features.batch_size), num_workers=int(cfg.num_workers),
+        n_last_blocks=n_last_blocks, cache_dir=cfg.features.cache_dir,
+        use_cache=bool(cfg.features.cache), amp_dtype=bb.amp_dtype, log=log)
 
 
 def json_safe(obj):

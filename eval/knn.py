@@ -413,46 +413,47 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run(cfg) -> int:
+def knn_command(cfg, bb) -> dict | None:
     """bash run.sh knn <ckpt | run dir | timm:<name>> [data=...] [k=10,20] [T=0.07] [key=teacher]"""
     from resmlp.core import dist
-    from resmlp.eval.command import checkpoint_summary, log, open_backbone, select, split_features, write_json
+    from resmlp.eval.command import log, split_features
 
-    # bad values fail before any feature is extracted
-    temperature = check_temperature(select(cfg, "knn.temperature", 0.07))
-    check_ks(select(cfg, "knn.k", 20), 2**62)
-    backend = str(select(cfg, "knn.backend", "auto"))
-    if backend not in BACKENDS:
-        raise UserError(f"knn.backend={backend!r} is not one of {', '.join(BACKENDS)}")
-
-    bb = open_backbone(cfg)
     train = split_features(cfg, bb, "train")
     test = split_features(cfg, bb, "test")
     if not dist.is_main():
-        dist.barrier()
-        return 0
-    ks = check_ks(select(cfg, "knn.k", 20), train["features"].shape[0])
+        return None
+    temperature, backend = check_temperature(cfg.knn.temperature), str(cfg.knn.backend)
+    ks = check_ks(cfg.knn.k, train["features"].shape[0])
     bname = backend_name(backend, bb.device)
     res = knn_evaluate(train["features"], train["labels"], test["features"], test["labels"],
-                       test["num_classes"], ks, temperature, backend, select(cfg, "knn.chunk_size"),
-                       bb.device)
+                       test["num_classes"], ks, temperature, backend, cfg.knn.chunk_size, bb.device)
     header = protocol_line(temperature, cfg.data.name, "test", test["features"].shape[0],
                            train["features"].shape[0], bname)
     log(header)
     log(format_table(res))
-    path = write_json(bb.out_dir / "knn.json", {
+    return {
         "protocol": {"name": "dino-knn", "similarity": "cosine (L2-normalised features)",
                      "votes": "sum of exp(sim/T) per class", "temperature": temperature,
                      "ks": ks, "backend": bname},
         "header": header,
-        "checkpoint": checkpoint_summary(bb.info),
         "data": {"name": cfg.data.name, "train": train["features"].shape[0],
                  "test": test["features"].shape[0], "num_classes": test["num_classes"],
-                 "subset": select(cfg, "data.subset")},
+                 "subset": cfg.data.subset},
         "features": {"dim": train["features"].shape[1], "train_cache": train["cache"],
                      "test_cache": test["cache"]},
         "results": {str(k): v for k, v in res.items()},
-    })
-    log(f"wrote {path}")
-    dist.barrier()
-    return 0
+    }
+
+
+def check_knn_config(cfg) -> None:
+    """Bad values fail before any feature is extracted."""
+    check_temperature(cfg.knn.temperature)
+    check_ks(cfg.knn.k, 2**62)
+    if str(cfg.knn.backend) not in BACKENDS:
+        raise UserError(f"knn.backend={cfg.knn.backend!r} is not one of {', '.join(BACKENDS)}")
+
+
+def run(cfg) -> int:
+    from resmlp.eval.command import eval_command
+    check_knn_config(cfg)
+    return eval_command(knn_command)(cfg)

@@ -237,23 +237,27 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(cfg) -> int:
-    """bash run.sh linear <ckpt | run dir | timm:<name>> [linear.mode=cached|augmented] ..."""
-    import resmlp.data as rdata
-    from resmlp.eval.command import checkpoint_summary, log, open_backbone, select, split_features, write_json
-
-    mode = str(select(cfg, "linear.mode", "cached"))
+def check_linear_config(cfg) -> tuple[str, int, int, list, int]:
+    """(mode, epochs, batch size, lrs, n_last_blocks), checked before any feature is extracted."""
+    lc = cfg.linear
+    mode = str(lc.mode)
     if mode not in MODES:
         raise UserError(f"linear.mode={mode!r} is not one of {', '.join(MODES)}")
-    epochs, batch_size = _check_common(select(cfg, "linear.epochs", 100), select(cfg, "linear.batch_size", 256))
-    lrs = check_lrs(select(cfg, "linear.lrs", CACHED_LRS if mode == "cached" else [DINO_LR]))
-    n_last = select(cfg, "linear.n_last_blocks", 1)
+    epochs, batch_size = _check_common(lc.epochs, lc.batch_size)
+    lrs = check_lrs(lc.lrs if lc.lrs is not None else (CACHED_LRS if mode == "cached" else [DINO_LR]))
+    n_last = lc.n_last_blocks
     if int(n_last) != n_last or int(n_last) < 1:
         raise UserError(f"linear.n_last_blocks={n_last} must be a positive integer")
-    n_last = int(n_last)
-    seed = int(select(cfg, "seed", 0))
+    return mode, epochs, batch_size, lrs, int(n_last)
 
-    bb = open_backbone(cfg)
+
+def linear_command(cfg, bb) -> dict | None:
+    """bash run.sh linear <ckpt | run dir | timm:<name>> [linear.mode=cached|augmented] ..."""
+    import resmlp.data as rdata
+    from resmlp.eval.command import log, split_features
+
+    mode, epochs, batch_size, lrs, n_last = check_linear_config(cfg)
+    seed, lc = int(cfg.seed), cfg.linear
     test = split_features(cfg, bb, "test", n_last)
     if mode == "cached":
         train = split_features(cfg, bb, "train", n_last)
@@ -261,8 +265,8 @@ def run(cfg) -> int:
         if dist.is_main():
             res = train_linear_on_features(
                 train["features"], train["labels"], test["features"], test["labels"],
-                test["num_classes"], lrs, epochs, batch_size, float(select(cfg, "linear.momentum", 0.9)),
-                float(select(cfg, "linear.weight_decay", 0.0)), seed, bb.device, log=log)
+                test["num_classes"], lrs, epochs, batch_size, float(lc.momentum), float(lc.weight_decay), seed,
+                bb.device, log=log)
             res["n_train"] = int(train["features"].shape[0])
     else:
         world = dist.world_size()
@@ -271,16 +275,15 @@ def run(cfg) -> int:
         ds = rdata.build_dataset(cfg.data, "train", transform=rdata.build_linear_train_transform(cfg.data))
         if len(ds) == 0:
             raise UserError(f"the train split of {cfg.data.name} is empty; check data.root / data.subset")
-        loader = rdata.build_loader(ds, batch_size // world, train=True,
-                                    num_workers=int(select(cfg, "num_workers", 0)), seed=seed)
+        loader = rdata.build_loader(ds, batch_size // world, train=True, num_workers=int(cfg.num_workers),
+                                    seed=seed)
         res = train_linear_augmented(
             bb.model, loader, test["features"], test["labels"], test["num_classes"], lrs, epochs,
-            batch_size, bb.device, bb.amp_dtype, n_last, float(select(cfg, "linear.momentum", 0.9)),
-            float(select(cfg, "linear.weight_decay", 0.0)), seed, log=log)
+            batch_size, bb.device, bb.amp_dtype, n_last, float(lc.momentum), float(lc.weight_decay), seed,
+            log=log)
         res["n_train"] = len(ds)
     if not dist.is_main():
-        dist.barrier()
-        return 0
+        return None
     res.update(n_test=int(test["features"].shape[0]), n_last_blocks=n_last,
                feature_dim=int(test["features"].shape[1]))
     log(f"linear probe ({mode}: frozen backbone, SGD momentum 0.9, wd 0, cosine, {epochs} epochs, "
@@ -289,12 +292,11 @@ def run(cfg) -> int:
     log(format_report(res))
     log(f"best: top-1 {res['top1']:.2f}  top-5 {res['top5']:.2f}  at lr {res['lr']:g} "
         f"(selected on the test split, as DINO does on val)")
-    path = write_json(bb.out_dir / "linear.json", {
-        **res, "checkpoint": checkpoint_summary(bb.info),
-        "data": {"name": cfg.data.name, "subset": select(cfg, "data.subset"),
-                 "num_classes": test["num_classes"]},
-        "features": {"test_cache": test["cache"]},
-    })
-    log(f"wrote {path}")
-    dist.barrier()
-    return 0
+    return {**res, "data": {"name": cfg.data.name, "subset": cfg.data.subset, "num_classes": test["num_classes"]},
+            "features": {"test_cache": test["cache"]}}
+
+
+def run(cfg) -> int:
+    from resmlp.eval.command import eval_command
+    check_linear_config(cfg)
+    return eval_command(linear_command)(cfg)

@@ -43,14 +43,9 @@ def as_resmlp(model: nn.Module, info: dict) -> nn.Module:
     from resmlp.models import ResMLP
     if isinstance(model, ResMLP):
         return model
-    from resmlp.eval.checkpoints import infer_arch
-    from resmlp.models import convert_state_dict, create_model, load_pretrained
+    from resmlp.models.checkpoints import resmlp_from_state_dict
     try:
-        sd = convert_state_dict(model.state_dict())
-        name, arch = infer_arch(sd)
-        ours = create_model(name, **arch, num_classes=0)
-        load_pretrained(ours, sd, strict=True, ignore_head=True)
-        return ours
+        return resmlp_from_state_dict(model.state_dict(), str(info.get("spec")))[0]
     except UserError:
         raise UserError(f"{info.get('spec')} ({type(model).__name__}) is not a ResMLP: the viz figures "
                         "need a ResMLP (this project's, or a timm/official resmlp state_dict)") from None
@@ -278,14 +273,13 @@ def _figures(value) -> list[str]:
 def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, central=None,
                  threshold: float = THRESHOLD, dpi: int = 150, log=print) -> dict:
     """Draw the requested figures of `model` into out_dir; return viz.json's content."""
-    from resmlp.eval.checkpoints import describe
-    from resmlp.eval.command import write_json
+    from resmlp.models.checkpoints import describe
 
     if not 0 < threshold < 1:
         raise UserError(f"viz.threshold={threshold} must be between 0 and 1 (the paper uses 0.05)")
     out_dir = Path(out_dir)
     label = f"{info.get('model')} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
-    result: dict = {"checkpoint": describe(info), "files": [], "notes": []}
+    result: dict = {"loaded": describe(info), "files": [], "notes": []}
     needs_model = [f for f in figures if f in ("cross_patch", "sparsity")]
     if needs_model:
         model = as_resmlp(model, info)
@@ -329,7 +323,6 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, c
             else:
                 result["notes"].append(f"{log_path} has no loss / lr / knn_top1 values: no curves")
     result["files"].append("viz.json")
-    write_json(out_dir / "viz.json", result)
     if log:
         for note in result["notes"]:
             log(f"viz: {note}")
@@ -337,19 +330,17 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, c
     return result
 
 
-def run(cfg) -> int:
+def viz_command(cfg, bb) -> dict | None:
     """bash run.sh viz <ckpt | run dir | timm:<name>> [viz.central=4] [viz.figures=[...]]"""
     from resmlp.core import dist
-    from resmlp.eval.checkpoints import load_backbone
-    from resmlp.eval.command import output_dir, select
-
     if not dist.is_main():  # nothing to share: one process draws
-        return 0
-    figures = _figures(select(cfg, "viz.figures", list(FIGURES)))
-    model, info = load_backbone(select(cfg, "checkpoint"), key=select(cfg, "knn.key", "teacher"),
-                                device="cpu", pretrained=bool(select(cfg, "features.pretrained", True)),
-                                img_size=select(cfg, "data.img_size"))
-    out = Path(select(cfg, "out")) if select(cfg, "out") else output_dir(cfg, info, "viz")
-    make_figures(model, info, out, figures, select(cfg, "viz.central"),
-                 float(select(cfg, "viz.threshold", THRESHOLD)), int(select(cfg, "viz.dpi", 150)))
-    return 0
+        return None
+    v = cfg.viz
+    return make_figures(bb.model, bb.info, bb.out_dir, _figures(v.figures), v.central, float(v.threshold),
+                        int(v.dpi))
+
+
+def run(cfg) -> int:
+    from resmlp.eval.command import eval_command
+    _figures(cfg.viz.figures)
+    return eval_command(viz_command, sub_dir="viz", device="cpu")(cfg)

@@ -22,6 +22,7 @@ from resmlp.models.resmlp import (
     convert_state_dict,
     create_resmlp,
     detect_format,
+    export_state_dict,
     fold_affine,
     load_pretrained,
 )
@@ -51,5 +52,5 @@ __all__ = [
     'ARCHS', 'CROSS_PATCHES', 'GRID_ADAPTS', 'NORMS', 'OVERRIDE_KEYS', 'POOLINGS',
     'Affine', 'ClassMLPPool', 'CrossPatchConv', 'CrossPatchLinear', 'CrossPatchMLP',
     'LoadReport', 'ResMLP', 'ResMLPBlock', 'adapt_token_mixing', 'convert_state_dict',
-    'create_model', 'detect_format', 'fold_affine', 'list_models', 'load_pretrained',
+    'create_model', 'detect_format', 'export_state_dict', 'fold_affine', 'list_models', 'load_pretrained',
 ]

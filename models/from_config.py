@@ -30,6 +30,7 @@ def build_model(model_cfg, num_classes: int = 0) -> nn.Module:
 
 def _create(model_cfg, num_classes: int) -> nn.Module:
     from resmlp.models import create_model, list_models
+    from resmlp.models.checkpoints import create_timm
     name = model_cfg.name
     kwargs = model_kwargs(model_cfg)
     if name in list_models():
@@ -38,8 +39,4 @@ def _create(model_cfg, num_classes: int) -> nn.Module:
     if not timm.is_model(name):
         raise UserError(f"unknown model {name!r}; choose one of: {', '.join(list_models())} or a timm model")
     timm_kwargs = {k: v for k, v in kwargs.items() if k in TIMM_KEYS}
-    try:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, **timm_kwargs)
-    except TypeError:  # e.g. a convnet has no img_size
-        timm_kwargs.pop("img_size", None)
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, **timm_kwargs)
+    return create_timm(name, pretrained=False, num_classes=num_classes, **timm_kwargs)

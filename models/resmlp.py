@@ -680,20 +680,6 @@ _OFFICIAL_RULES = [
 _OFFICIAL_KEY = re.compile(r'^blocks\.\d+\.(attn\.|gamma_[12]$)')
 
 
-def _unwrap(sd: Mapping) -> dict:
-    """Plain state_dict from a checkpoint: {'model': ...} (official / deit), {'state_dict':
-    ...}, {'teacher': ...} (DINO; the teacher is the network to evaluate), and the
-    'module.' (DDP) / 'backbone.' (DINO wrapper: only the backbone is kept) prefixes."""
-    for key in ('model', 'state_dict', 'teacher'):
-        if key in sd and isinstance(sd[key], Mapping):
-            sd = sd[key]
-            break
-    sd = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in sd.items()}
-    if any(k.startswith('backbone.') for k in sd):
-        sd = {k[len('backbone.'):]: v for k, v in sd.items() if k.startswith('backbone.')}
-    return sd
-
-
 def detect_format(sd: Mapping) -> str:
     """'timm', 'official' or 'resmlp' (ours) for a plain state_dict."""
     if any(k.startswith('stem.proj.') or '.linear_tokens.' in k or '.mlp_channels.' in k for k in sd):
@@ -705,9 +691,9 @@ def detect_format(sd: Mapping) -> str:
 
 def convert_state_dict(sd: Mapping) -> dict:
     """A timm (resmlp_*_224), official (facebookresearch/deit resmlp_models.py) or own
-    state_dict / checkpoint -> this module's keys and shapes (Aff alpha/beta as [D]).
-    The format is detected from the keys; our own keys pass through."""
-    sd = _unwrap(sd)
+    plain state_dict -> this module's keys and shapes (Aff alpha/beta as [D]). The format
+    is detected from the keys; our own keys pass through. Checkpoint files (wrapped in
+    'model', 'teacher', DDP's 'module.', ...) are opened by resmlp.models.checkpoints."""
     fmt = detect_format(sd)
     rules = {'timm': _TIMM_RULES, 'official': _OFFICIAL_RULES}.get(fmt, [])
     out = {}
@@ -716,6 +702,45 @@ def convert_state_dict(sd: Mapping) -> dict:
             k = re.sub(pattern, repl, k)
         if (k.endswith('.alpha') or k.endswith('.beta')) and v.dim() > 1:
             v = v.reshape(-1)  # timm keeps [1, 1, D]
+        out[k] = v
+    return out
+
+
+# ours -> theirs, for export: the inverse of the rules above, on the paper's architecture
+_TO_TIMM = [
+    (r'^patch_embed\.proj\.', 'stem.proj.'),
+    (r'^(blocks\.\d+)\.cross_patch\.', r'\1.linear_tokens.'),
+    (r'^(blocks\.\d+)\.mlp\.', r'\1.mlp_channels.'),
+]
+_TO_OFFICIAL = [
+    (r'^(blocks\.\d+)\.cross_patch\.', r'\1.attn.'),
+    (r'^(blocks\.\d+)\.ls1$', r'\1.gamma_1'),
+    (r'^(blocks\.\d+)\.ls2$', r'\1.gamma_2'),
+]
+# Every key of the paper's model (linear cross-patch, Affine, average pooling) in our names.
+_PAPER_KEY = re.compile(r'^(patch_embed\.proj\.(weight|bias)|norm\.(alpha|beta)|head\.(weight|bias)|'
+                        r'blocks\.\d+\.(norm[12]\.(alpha|beta)|cross_patch\.(weight|bias)|ls[12]|'
+                        r'mlp\.fc[12]\.(weight|bias)))$')
+EXPORT_FORMATS = ('timm', 'official')
+
+
+def export_state_dict(sd: Mapping, fmt: str) -> dict:
+    """Our state_dict -> timm's keys ('timm': timm's resmlp_*_224, Affine as [1, 1, D]) or
+    the official facebookresearch/deit ones ('official'): convert_state_dict undone.
+    Only the paper's architecture has a counterpart there."""
+    if fmt not in EXPORT_FORMATS:
+        raise UserError(f"format={fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    other = [k for k in sd if not _PAPER_KEY.match(k)]
+    if other:
+        raise UserError(f"format={fmt} needs the paper's ResMLP (linear cross-patch, Affine, average pooling); "
+                        f"this one has {other[0]!r}: export it with format=safetensors")
+    rules = _TO_TIMM if fmt == 'timm' else _TO_OFFICIAL
+    out = {}
+    for k, v in sd.items():
+        for pattern, repl in rules:
+            k = re.sub(pattern, repl, k)
+        if fmt == 'timm' and (k.endswith('.alpha') or k.endswith('.beta')):
+            v = v.reshape(1, 1, -1)
         out[k] = v
     return out
 

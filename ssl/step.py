@@ -1,12 +1,15 @@
 """One DINO optimization step, built once by `build_dino_step` for the trainer and the benchmark.
 
+    teacher(2 global crops), student(all crops) -> loss (fp32) -> backward -> per-parameter
+    clipping -> frozen last layer in the first epoch(s) -> AdamW -> EMA of the teacher
+
 The step never waits for the device: nothing in it reads a tensor's value on the host.
-The loss, the teacher's health statistics and the non-finite flag stay on the device and
-accumulate there (`DinoStep.tally`); the trainer reads them only when it logs or saves
-(`DinoStep.read`), so the host can queue the next iterations while the device works.
-A non-finite loss is therefore noticed at the next read, not at once: the weights may
-turn non-finite in between, which is why every checkpoint is preceded by a read and the
-run stops instead of saving (the last good checkpoint stays as it was).
+The loss, the teacher's health statistics and the non-finite flag accumulate on the
+device (`DinoStep.tally`, a core.engine.DeviceTally); the trainer reads them only when it
+logs or saves, so the host can queue the next iterations while the device works. A
+non-finite loss is therefore noticed at the next read, not at once: the weights may turn
+non-finite in between, which is why every checkpoint is preceded by a read and the run
+stops instead of saving (the last good checkpoint stays as it was).
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from resmlp.core import dist
-from resmlp.ssl.ema import clip_per_parameter, update_teacher
+from resmlp.core.engine import DeviceTally
+from resmlp.ssl.ema import update_teacher
 from resmlp.ssl.health import teacher_stats
 
 
@@ -33,7 +36,7 @@ class DinoStep:
     autocast: object = contextlib.nullcontext
     forward_student: object = None   # torch.compile'd versions, when compiling
     forward_teacher: object = None
-    tally: dict = field(default_factory=dict)   # device sums since the last read()
+    tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
 
     @property
     def raw_student(self) -> nn.Module:
@@ -51,7 +54,7 @@ class DinoStep:
             student = self.student if self.forward_student is None else self.forward_student
             t_out = teacher(crops[:2])
             s_out = student(crops)
-        # The head's last layer already ran in fp32 (multicrop.head_forward); so does the
+        # The head's last layer already ran in fp32 (head.head_forward); so does the
         # loss: a softmax over tens of thousands of prototypes is not for bf16.
         center = self.loss_fn.center.detach().clone()
         loss = self.loss_fn(list(t_out.float().chunk(2)), list(s_out.float().chunk(self.n_crops)),
@@ -64,40 +67,32 @@ class DinoStep:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         update_teacher(self.teacher, self.raw_student, momentum)
-        loss = loss.detach()
-        self._accumulate(loss, t_out.detach(), center, teacher_temp)
-        return loss, t_out.detach(), center
-
-    # ---- device-side bookkeeping, read on demand ------------------------------------------
-    @torch.no_grad()
-    def _accumulate(self, loss, t_out, center, teacher_temp) -> None:
-        stats = teacher_stats(t_out, center, teacher_temp)
-        values = {"loss": loss.float(), "nonfinite": (~torch.isfinite(loss)).float(), **stats}
-        for k, v in values.items():
-            if k in self.tally:
-                self.tally[k].add_(v)
-            else:
-                self.tally[k] = v.clone()
-        self.tally["steps"] = self.tally.get("steps", 0) + 1
-        self.tally["last_loss"] = loss
+        loss, t_out = loss.detach(), t_out.detach()
+        self.tally.add(loss, **teacher_stats(t_out, center, teacher_temp))
+        return loss, t_out, center
 
     def read(self) -> dict:
-        """Host values of what accumulated since the last read, and reset.
+        """What accumulated since the last read (DeviceTally.read: the sync point)."""
+        return self.tally.read()
 
-        One device-to-host copy (the sync point). Means over the steps since the last
-        read, plus `last_loss` and `nonfinite`: how many of those steps, summed over all
-        processes, had a non-finite loss (every rank reads at the same iteration, so all
-        agree to stop)."""
-        steps = self.tally.pop("steps", 0)
-        if not steps:
-            return {"steps": 0, "nonfinite": 0}
-        names = [k for k in self.tally]
-        packed = torch.stack([self.tally[k].float().reshape(()) for k in names])
-        self.tally = {}
-        packed[names.index("nonfinite")] = dist.all_reduce_sum(packed[names.index("nonfinite")].clone())
-        values = dict(zip(names, packed.tolist()))  # <- sync
-        out = {k: v / steps for k, v in values.items() if k not in ("nonfinite", "last_loss")}
-        return {**out, "last_loss": values["last_loss"], "nonfinite": int(values["nonfinite"]), "steps": steps}
+
+@torch.no_grad()
+def clip_per_parameter(parameters, max_norm: float) -> None:
+    """DINO's clipping: each parameter's gradient norm is clipped on its own to max_norm.
+
+    The same arithmetic as DINO's per-parameter loop, in a handful of kernels and with no
+    read on the host: the norms are stacked once, every scale min(1, max_norm / (norm +
+    1e-6)) is computed together, then spread to one full-size factor per gradient so that
+    the multiply takes torch's fused multi-tensor path (it needs equal shapes pairwise; a
+    0-dim factor per gradient would fall back to one kernel per parameter)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads or max_norm <= 0:
+        return
+    norms = torch.stack(torch._foreach_norm(grads))
+    scales = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    spread = torch.cat([s.expand(g.numel()) for s, g in zip(scales.unbind(0), grads)])
+    factors = [f.view(g.shape) for f, g in zip(spread.split([g.numel() for g in grads]), grads)]
+    torch._foreach_mul_(grads, factors)
 
 
 def build_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -111,14 +106,12 @@ def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | No
                     autocast=contextlib.nullcontext, world_size: int = 1) -> DinoStep:
     """Student, teacher, lightly's loss, AdamW, DDP and torch.compile as `cfg` says:
     the step the trainer runs and the benchmark times."""
-    from lightly.loss import DINOLoss
-
-    from resmlp.ssl.multicrop import build_networks
-    from resmlp.ssl.train import crop_plan
+    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.ssl.loss import build_dino_loss
+    from resmlp.ssl.networks import build_networks
     plan = crop_plan(cfg)
     student, teacher = build_networks(cfg, device)
-    loss_fn = DINOLoss(cfg.dino.out_dim, student_temp=cfg.dino.student_temp,
-                       center_momentum=cfg.dino.center_momentum, warmup_teacher_temp_epochs=0).to(device)
+    loss_fn = build_dino_loss(cfg.dino).to(device)
     optimizer = build_optimizer(student, device)
     trained = student
     if world_size > 1:
@@ -126,7 +119,7 @@ def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | No
             student, device_ids=[device.index] if device.type == "cuda" else None)
     step = DinoStep(trained, teacher, loss_fn, optimizer,
                     scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False),
-                    2 + plan["n_local"], float(cfg.optim.clip_grad), autocast)
+                    plan.n_crops, float(cfg.optim.clip_grad), autocast)
     if cfg.compile:
         step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
     return step

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-from resmlp.core.checkpoint import FORMAT, load_checkpoint, resolve_checkpoint_path
+from resmlp.core.checkpoint import resolve_checkpoint_path
 from resmlp.core.errors import UserError
+from resmlp.models.checkpoints import load_classifier
 
 KINDS = ("hard", "soft")
 
@@ -78,49 +78,6 @@ def _timm_teacher(name: str) -> nn.Module:
                         f"distill.teacher_model={name}") from None
 
 
-def _classifier_rows(model: nn.Module, sd: dict) -> int | None:
-    """Classes of a classifier state_dict, read at the model's classifier key (timm's cfg)."""
-    key = getattr(model, "pretrained_cfg", {}).get("classifier", "head") if hasattr(model, "pretrained_cfg") \
-        else "head"
-    for k in (f"{key}.weight", "head.weight", "fc.weight", "head.fc.weight", "classifier.weight"):
-        w = sd.get(k)
-        if isinstance(w, torch.Tensor) and w.dim() == 2:
-            return int(w.shape[0])
-    return None
-
-
-def _checkpoint_teacher(spec: str, teacher_model: str | None) -> tuple[nn.Module, str]:
-    from resmlp.models.from_config import build_model
-    path = resolve_checkpoint_path(spec)
-    obj = load_checkpoint(path)
-    ours = obj.get("format") == FORMAT
-    if any(isinstance(obj.get(k), dict) for k in ("teacher", "student")) and "model" not in obj:
-        raise UserError(f"{path} is a DINO checkpoint: its networks have no classifier. Fine-tune it first "
-                        f"(bash run.sh finetune {spec}) and pass that run as the teacher")
-    sd = obj.get("model") if isinstance(obj.get("model"), dict) else obj.get("state_dict", obj)
-    sd = {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()
-          if isinstance(v, torch.Tensor)}
-    if ours and isinstance(obj.get("config"), dict) and "model" in obj["config"]:
-        model_cfg = OmegaConf.create(obj["config"]["model"])
-    elif teacher_model:
-        model_cfg = OmegaConf.create({"name": teacher_model})
-    else:
-        raise UserError(f"{path} carries no config that names its architecture; add "
-                        "distill.teacher_model=<timm or resmlp model name>")
-    n = obj.get("num_classes") if ours else None
-    if not n:
-        n = _classifier_rows(build_model(model_cfg, num_classes=1), sd)
-    if not n:
-        raise UserError(f"{path}: cannot find the teacher's classifier weights (keys: "
-                        f"{', '.join(list(sd)[:5])}, ...)")
-    model = build_model(model_cfg, num_classes=int(n))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise UserError(f"{path} does not fit {model_cfg.name}: {len(missing)} missing keys "
-                        f"({', '.join(missing[:3])}), {len(unexpected)} unexpected ({', '.join(unexpected[:3])})")
-    return model, str(model_cfg.name)
-
-
 def load_teacher(spec: str, num_classes: int, data_name: str, img_size: int, device,
                  teacher_model: str | None = None) -> tuple[nn.Module, dict]:
     """The teacher classifier in eval mode without gradients, and a description of it.
@@ -136,7 +93,7 @@ def load_teacher(spec: str, num_classes: int, data_name: str, img_size: int, dev
     if spec.startswith("timm:"):
         model, name = _timm_teacher(spec[len("timm:"):]), spec[len("timm:"):]
     else:
-        model, name = _checkpoint_teacher(spec, teacher_model)
+        model, name = load_classifier(spec, teacher_model)
     model.eval().requires_grad_(False)
     try:
         with torch.no_grad():

@@ -24,8 +24,7 @@ from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 
 from resmlp.core import dist
-from resmlp.core.checkpoint import rng_state, set_rng_state
-from resmlp.core.engine import Run, command, progress
+from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import no_weight_decay, param_groups
 from resmlp.core.schedules import cosine_schedule
@@ -98,31 +97,13 @@ def build_criterion(cfg, mixup) -> nn.Module:
 def init_from_checkpoint(model: nn.Module, cfg) -> dict:
     """Fine-tuning: copy the checkpoint's backbone (DINO: the `teacher` network's backbone.*)
     into `model`; the head stays new. A backbone that does not fit is a UserError."""
-    from resmlp.eval.checkpoints import describe, load_backbone
-    from resmlp.models import ResMLP, load_pretrained
+    from resmlp.models.checkpoints import describe, load_backbone, load_into
     spec = cfg.checkpoint
     if not spec:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
     backbone, info = load_backbone(spec, key=cfg.finetune.key, device="cpu", img_size=cfg.data.img_size)
-    sd = backbone.state_dict()
-    where = f"{spec} ({describe(info)})"
-    if isinstance(model, ResMLP):
-        try:
-            load_pretrained(model, sd, strict=True, ignore_head=True)
-        except UserError as e:
-            raise UserError(f"{where} is not a backbone {cfg.model.name} can take: {e}") from None
-    else:
-        prefix = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
-        head = {n for n, _ in model.named_parameters() if n.startswith(prefix)}
-        try:
-            missing, unexpected = model.load_state_dict(sd, strict=False)
-        except RuntimeError as e:
-            raise UserError(f"{where} is not a backbone {cfg.model.name} can take: "
-                            f"{str(e).splitlines()[1][:200] if len(str(e).splitlines()) > 1 else e}") from None
-        missing = [k for k in missing if k not in head]
-        if missing or unexpected:
-            raise UserError(f"{where} is not a backbone {cfg.model.name} can take: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+    load_into(model, backbone.state_dict(), f"{spec} ({describe(info)}) is not a backbone {cfg.model.name} "
+              "can take", ignore_head=True)
     return {"checkpoint": str(spec), "source": info.get("source"), "key": info.get("key"),
             "checkpoint_epoch": info.get("epoch"), "weights_hash": info.get("weights_hash")}
 
@@ -275,22 +256,10 @@ def train(cfg):
     fwd = torch.compile(model) if cfg.compile else model
 
     # ---- resume ---------------------------------------------------------------------------------
-    start_it, results = 0, {"history": []}
-    state = run.resume_state()
-    if state is not None:
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        run.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        start_it, results = state["iteration"], state.get("results", results)
-
-    def checkpoint(iteration: int):
-        run.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                  "ema": ema.state_dict() if ema is not None else None, "scaler": run.scaler.state_dict(),
-                  "epoch": iteration // ipe, "iteration": iteration, "rng": rng_state(),
-                  "num_classes": n_classes, "results": results})
+    state = {"model": raw_model, "optimizer": optimizer, "ema": ema, "scaler": run.scaler}
+    start_it, results = run.restore(**state)
+    results.setdefault("history", [])
+    cadence = Cadence(run, ipe, start_it)
 
     def test(epoch: int) -> dict:
         res = evaluate(raw_model, test_loader, device, run.autocast)
@@ -315,8 +284,7 @@ def train(cfg):
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
         model.train()
-        epoch_loss, epoch_steps = torch.zeros((), device=device), 0
-        t0, seen_since, t_epoch = time.time(), 0, time.time()
+        t_epoch, epoch_steps = time.time(), 0
         bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
                        enabled=run.interactive)
         for images, labels in bar:
@@ -335,8 +303,6 @@ def train(cfg):
                                          cfg.distill.alpha, cfg.distill.tau, base_criterion=criterion)
             else:
                 loss = criterion(logits.float(), targets)
-            # every rank must agree to stop, or the others would wait forever in DDP's all-reduce
-            run.check_finite(dist.all_reduce_sum(loss.detach().clone()), f"epoch {epoch + 1}, iteration {it + 1}")
 
             optimizer.zero_grad(set_to_none=True)
             run.scaler.scale(loss).backward()
@@ -347,36 +313,36 @@ def train(cfg):
             run.scaler.update()
             if ema is not None:
                 ema.update(raw_model, step=it)
+            cadence.tally.add(loss)  # stays on the device until the next read
             it += 1
-            epoch_loss += loss.detach()
             epoch_steps += 1
-            seen_since += cfg.batch_size
-            if run.interactive:
-                bar.set_postfix(loss=f"{loss.item():.3f}")
-            if it % cfg.log_every == 0 or it == E * ipe:
-                dt = time.time() - t0
-                record = {"epoch": it / ipe, "iteration": it, "loss": loss.item(), "lr": lr_sched[it - 1],
-                          "images_per_s": seen_since / max(dt, 1e-9), **run.memory_mb()}
+            cadence.count(cfg.batch_size)
+            if cadence.log_due(it):  # <- sync point
+                record = cadence.log_record(it)
+                record["lr"] = lr_sched[it - 1]
                 run.log(record, step=it)
-                if not run.interactive:
+                if run.interactive:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}")
+                else:
                     run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
                               f"lr {record['lr']:.2e} {record['images_per_s']:.0f} img/s")
-                t0, seen_since = time.time(), 0
-            if cfg.ckpt_every and it % cfg.ckpt_every == 0 and it % ipe:
-                checkpoint(it)
+            if cadence.checkpoint_due(it):  # <- sync point
+                cadence.checkpoint(it, results, **state, num_classes=n_classes)
+            cadence.after_iteration(it)
         train_time += time.time() - t_epoch
         train_images += epoch_steps * cfg.batch_size
 
-        mean_loss = (dist.all_reduce_mean(epoch_loss) / max(1, epoch_steps)).item()
+        cadence.read(it)  # <- sync point: the epoch's remaining steps
+        epoch_means = cadence.epoch.take()
+        mean_loss = epoch_means.get("loss", float("nan"))
         record = {"epoch": epoch + 1, "iteration": it, "train_loss": mean_loss, "lr": lr_sched[it - 1]}
-        last = epoch + 1 == E
-        if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0 and not last:
+        if cadence.eval_due(epoch + 1):
             res = test(epoch + 1)
             results["history"].append(res)
             record.update({k: v for k, v in res.items() if k != "epoch"})
         run.log(record, step=it)
         run.print(f"epoch {epoch + 1}/{E}: train loss {mean_loss:.4f}")
-        checkpoint(it)
+        cadence.checkpoint(it, results, **state, num_classes=n_classes)
 
     # ---- the end: test split, results --------------------------------------------------------
     final = test(E)

@@ -12,7 +12,7 @@ from resmlp.bench.reference import RefDinoStep, build_reference_networks
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
 from resmlp.models import convert_state_dict, load_pretrained
-from resmlp.ssl.train import crop_plan
+from resmlp.ssl.crop_plan import crop_plan
 
 
 def tiny_profile():
@@ -81,7 +81,7 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
     plan = crop_plan(cfg)
     ours = R.build_our_step(cfg, cpu, "fp32", compile=False)
     student, teacher = build_reference_networks(cfg, cpu, backbone)
-    ref = RefDinoStep(student, teacher, cfg.dino.out_dim, 2 + plan["n_local"], cpu, fp16=False)
+    ref = RefDinoStep(student, teacher, cfg.dino.out_dim, plan.n_crops, cpu, fp16=False)
     if backbone == "timm":
         load_pretrained(ours.student.backbone, student.backbone.state_dict())
     else:

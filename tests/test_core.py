@@ -47,7 +47,7 @@ def test_python_dash_m_from_root_keeps_stdlib_ssl():
 
 
 # ---- config -----------------------------------------------------------------------------
-def test_config_merges_method_model_data_and_overrides():
+def test_config_merges_method_data_and_overrides():
     cfg = load_config("dino", "resmlp_s24", ["epochs=3", "data.subset=100", "demo=false"])
     assert cfg.command == "dino" and cfg.model.name == "resmlp_s24"
     assert cfg.epochs == 3 and cfg.data.subset == 100

@@ -32,7 +32,7 @@ DEVICE_CODE = (f"{os.sep}ssl{os.sep}", "gpu_augment", f"core{os.sep}engine", f"{
 def tiny_step(device="cpu", extra=()):
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data=imagefolder", "data.img_size=32", "model.patch_size=8",
                                              "dino.local_size=16", *extra])
-    from resmlp.ssl.train import crop_plan
+    from resmlp.ssl.crop_plan import crop_plan
     return cfg, crop_plan(cfg)
 
 
@@ -139,7 +139,7 @@ def test_cuda_steady_state_never_synchronizes():
 
 # ---- 3. the head's last layer and the loss in fp32 ---------------------------------------
 def test_head_last_layer_runs_in_fp32_under_bf16_autocast():
-    from resmlp.ssl.multicrop import build_head, head_forward
+    from resmlp.ssl.head import build_head, head_forward
     cfg, _ = tiny_step()
     torch.manual_seed(0)
     head = build_head(16, cfg.dino)

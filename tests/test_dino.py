@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from resmlp.core.config import load_config
 from resmlp.core.errors import RunFailed, UserError
-from resmlp.ssl.ema import clip_per_parameter, update_teacher
-from resmlp.ssl.multicrop import MultiCropNet
+from resmlp.ssl.ema import update_teacher
+from resmlp.ssl.step import clip_per_parameter
+from resmlp.ssl.networks import MultiCropNet
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -113,7 +114,7 @@ def test_multicrop_groups_resolutions_like_separate_forwards():
 
 
 def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
-    from resmlp.ssl.multicrop import build_networks
+    from resmlp.ssl.networks import build_networks
     cfg = tiny_cfg(tmp_path)
     student, teacher = build_networks(cfg, torch.device("cpu"))
     for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
@@ -123,7 +124,7 @@ def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
 
 
 def test_bad_strategy_is_a_user_error(tmp_path):
-    from resmlp.ssl.train import crop_plan
+    from resmlp.ssl.crop_plan import crop_plan
     with pytest.raises(UserError, match="dino.local_crops"):
         crop_plan(tiny_cfg(tmp_path, "dino.local_crops=stretch"))
     with pytest.raises(UserError, match="multiple of model.patch_size"):

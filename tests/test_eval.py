@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from resmlp.core.errors import UserError
-from resmlp.eval import checkpoints as ck
+from resmlp.models import checkpoints as ck
 from resmlp.eval import features as fe
 from resmlp.eval.knn import (check_ks, knn_classify, knn_evaluate, knn_search, resolve_backend,
                              topk_correct)
@@ -227,10 +227,11 @@ def test_every_checkpoint_format_gives_the_same_features(tmp_path):
     fresh = create_model(info["model"], **info["arch"], num_classes=7)
     missing, unexpected = fresh.load_state_dict(bb.state_dict(), strict=False)
     assert not unexpected and sorted(missing) == ["head.bias", "head.weight"]
-    ft, finfo = ck.load_classifier(tmp_path / "supervised.pth", num_classes=10)
-    assert finfo["head"] == "loaded" and ft.training
+    # a trained classifier, head and all (what distillation uses as its teacher)
+    teacher, name = ck.load_classifier(tmp_path / "supervised.pth")
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     with torch.no_grad():
-        torch.testing.assert_close(ft.eval()(x), clf(x))
+        torch.testing.assert_close(teacher(x), clf(x))
 
 
 def test_timm_state_dict_and_timm_models(tmp_path):

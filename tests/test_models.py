@@ -8,7 +8,6 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
-import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
 import resmlp.models as M
@@ -18,7 +17,6 @@ from resmlp.models import (
     list_models, load_pretrained,
 )
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / 'configs' / 'model'
 TINY = dict(dim=32, depth=2, img_size=32, patch_size=4)  # 8x8 grid
 
 
@@ -218,10 +216,15 @@ def test_bad_names_and_overrides_raise_user_error(call, words):
 
 
 @pytest.mark.parametrize('name', ['resmlp_s12', 'resmlp_s24', 'resmlp_s36', 'resmlp_b24'])
-def test_model_configs(name):
-    cfg = yaml.safe_load((CONFIG_DIR / f'{name}.yaml').read_text())
-    section = dict(cfg['model'])
-    assert section.pop('name') == name
+def test_every_registered_model_builds_from_its_config(name):
+    """The command line knows exactly the registry's models, and each one's config (with
+    ImageNet's data file) builds the paper's model."""
+    from resmlp.core.cli import model_names
+    from resmlp.core.config import load_config
+    assert model_names() == list_models() and name in list_models()
+    cfg = load_config('supervised', name, ['data=imagenet', 'demo=false'])
+    section = {k: v for k, v in cfg.model.items()
+               if v is not None and k not in ('name', 'grad_checkpointing', 'drop_path_rate')}
     assert set(section) <= set(M.OVERRIDE_KEYS)
     expected = {'resmlp_s12': 15_350_872, 'resmlp_s24': 30_020_680,
                 'resmlp_s36': 44_690_488, 'resmlp_b24': 115_736_776}[name]
@@ -262,7 +265,8 @@ def test_timm_s12_equivalence_and_official_format(timm_s12):
         official = official_from_timm(timm_s12.state_dict())
         assert M.detect_format(official) == 'official'
         ours2 = create_model('resmlp_s12').eval()
-        load_pretrained(ours2, {'model': official})  # deit checkpoints wrap it in 'model'
+        from resmlp.models.checkpoints import unwrap
+        load_pretrained(ours2, unwrap({'model': official})[0])  # deit checkpoints wrap it in 'model'
         assert_close(ours2(x), want)
         # our own keys pass through unchanged
         assert convert_state_dict(ours.state_dict()).keys() == ours.state_dict().keys()
@@ -312,7 +316,8 @@ def test_load_dino_style_checkpoint_backbone_only():
                         'head.mlp.0.weight': torch.zeros(8, 32)},
             'student': {}}
     dst = tiny(num_classes=7)
-    load_pretrained(dst, ckpt, ignore_head=True)
+    from resmlp.models.checkpoints import unwrap
+    load_pretrained(dst, unwrap(ckpt)[0], ignore_head=True)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert_close(dst.forward_head(dst.forward_features(x), pre_logits=True), src(x))

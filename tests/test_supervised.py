@@ -204,18 +204,27 @@ def test_finetune_rejects_a_checkpoint_that_does_not_fit(tmp_path):
 
 # ---- configs ---------------------------------------------------------------------------------
 
-def test_recipe_keys_are_the_same_in_the_three_method_files():
-    def keys(node, prefix=""):
-        out = set()
-        for k, v in node.items():
-            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
-        return out
-    files = {c: OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "method" / f"{c}.yaml"))
-             for c in ("supervised", "distill", "finetune")}
-    recipe = keys(files["supervised"])
-    assert keys(files["distill"]) - recipe == {f"distill.{k}" for k in files["distill"]["distill"]}
-    assert keys(files["finetune"]) - recipe == {f"finetune.{k}" for k in files["finetune"]["finetune"]}
-    assert recipe <= keys(files["distill"]) and recipe <= keys(files["finetune"])
+def test_distill_and_finetune_extend_the_supervised_recipe(tmp_path, monkeypatch):
+    """distill.yaml and finetune.yaml say `extends: supervised`: they get every recipe key
+    from it and change only their own; a base that is missing or a cycle is a user error."""
+    from resmlp.core import config as config_module
+    sup = load_config("supervised", "resmlp_s12", ["demo=false"])
+    dis = load_config("distill", "resmlp_s12", ["demo=false"])
+    fin = load_config("finetune", "resmlp_s12", ["demo=false", "checkpoint=x"])
+    assert OmegaConf.to_container(dis.aug) == OmegaConf.to_container(sup.aug)
+    assert dis.optim.lr == sup.optim.lr and dis.epochs == sup.epochs and dis.distill.type == "hard"
+    assert fin.optim.opt == sup.optim.opt and fin.optim.lr_batch == sup.optim.lr_batch
+    assert (fin.optim.lr, fin.epochs, fin.finetune.key) == (1e-3, 30, "teacher") and fin.optim.lr != sup.optim.lr
+    assert "extends" not in dis and "distill" not in sup and "finetune" not in dis
+    (tmp_path / "method").mkdir()
+    (tmp_path / "method" / "a.yaml").write_text("extends: b\n")
+    (tmp_path / "method" / "b.yaml").write_text("extends: a\n")
+    (tmp_path / "method" / "c.yaml").write_text("extends: nowhere\n")
+    monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
+    with pytest.raises(UserError, match="cycle"):
+        config_module.method_config("a")
+    with pytest.raises(UserError, match="nowhere"):
+        config_module.method_config("c")
 
 
 def test_cpu_demos_share_the_dino_demos_model_images_and_batch():

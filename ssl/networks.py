@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from resmlp.core.errors import UserError
+from resmlp.ssl.head import build_head, head_forward
 
 
 class MultiCropNet(nn.Module):
@@ -30,32 +30,6 @@ class MultiCropNet(nn.Module):
             features.append(self.backbone(torch.cat(crops[start:end])))
             start = end
         return head_forward(self.head, torch.cat(features))
-
-
-def head_forward(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """lightly's DINOProjectionHead.forward with the last layer in fp32.
-
-    The MLP runs under whatever autocast is active; the L2 normalization and the
-    weight-normed prototype layer run with autocast off, so the logits that the
-    loss's softmax sharpens by 1/0.04 carry fp32, not bf16, rounding. Any other head
-    is called as it is."""
-    if not (hasattr(head, "layers") and hasattr(head, "last_layer")):
-        return head(x)
-    z = head.layers(x)
-    with torch.autocast(x.device.type, enabled=False):
-        return head.last_layer(F.normalize(z.float(), dim=-1, p=2))
-
-
-def build_head(in_dim: int, dino_cfg) -> nn.Module:
-    """lightly's DINO head: 3-layer MLP, bottleneck, L2-normalized weight-normed last layer."""
-    import warnings
-
-    from lightly.models.modules import DINOProjectionHead
-    with warnings.catch_warnings():  # lightly still uses torch's old weight_norm
-        warnings.simplefilter("ignore", FutureWarning)
-        return DINOProjectionHead(in_dim, dino_cfg.hidden_dim, dino_cfg.bottleneck_dim, dino_cfg.out_dim,
-                                  batch_norm=False, freeze_last_layer=dino_cfg.freeze_last_layer,
-                                  norm_last_layer=dino_cfg.norm_last_layer)
 
 
 def build_networks(cfg, device):

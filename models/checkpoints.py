@@ -1,4 +1,12 @@
-"""Any checkpoint -> a frozen feature backbone (and what it is), for every evaluator.
+"""Checkpoints into models and out of them: the one place every command loads weights.
+
+In:  load_backbone(spec)      any checkpoint -> a frozen feature backbone (evaluators, fine-tuning)
+     load_classifier(spec)    a trained classifier with its head (the distillation teacher)
+     load_into(model, sd)     a state_dict into a built model, every mismatch named
+Out: export(spec, format)     a backbone for use outside this project (timm / official / safetensors)
+
+Run state (optimizer, RNG, resume) is written and read by resmlp.core.checkpoint;
+this module reads the weights out of such files and out of everyone else's.
 
 Accepted `spec`s:
     <run dir>                  this project's run directory (reads <run dir>/checkpoint.pth)
@@ -22,7 +30,7 @@ weights win over a saved config where they disagree: they are what gets evaluate
 
 The backbone is built with num_classes=0 (forward returns pooled (B, D) features), in
 eval mode. Its state_dict loads into create_model(info['model'], **info['arch'],
-num_classes=C) with only head.* missing: see load_classifier for fine-tuning.
+num_classes=C) with only head.* missing.
 """
 from __future__ import annotations
 
@@ -82,7 +90,7 @@ def _preview(keys, n: int = 5) -> str:
 def unwrap(obj: dict, key: str = "teacher", path: str = "") -> tuple[dict, dict]:
     """(plain state_dict of the network to evaluate, info about where it came from)."""
     if key not in DINO_KEYS:
-        raise UserError(f"knn.key={key!r} must be teacher or student")
+        raise UserError(f"features.key={key!r} must be teacher or student")
     ours = obj.get("format") == FORMAT
     info: dict = {"config": obj.get("config") if ours and isinstance(obj.get("config"), Mapping) else None,
                   "command": obj.get("command") if ours else None,
@@ -218,6 +226,58 @@ def _hub_offline_if_unreachable(pretrained: bool):
         constants.HF_HUB_OFFLINE = old
 
 
+def create_timm(name: str, **kwargs) -> nn.Module:
+    """timm.create_model, retried without img_size for architectures that take none
+    (a convnet): every command builds timm models through here."""
+    import timm
+    try:
+        return timm.create_model(name, **kwargs)
+    except TypeError:
+        if "img_size" not in kwargs:
+            raise
+        kwargs = {k: v for k, v in kwargs.items() if k != "img_size"}
+        return timm.create_model(name, **kwargs)
+
+
+def load_into(model: nn.Module, sd: Mapping, where: str, ignore_head: bool = False) -> None:
+    """Load state_dict `sd` into `model`, all or nothing: a UserError names the missing,
+    unexpected and shape-mismatched keys. Our ResMLPs take timm's and the official key
+    formats too (converted); ignore_head leaves the classifier out on both sides."""
+    from resmlp.models import ResMLP, load_pretrained
+    if isinstance(model, ResMLP):
+        try:
+            load_pretrained(model, sd, strict=True, ignore_head=ignore_head)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+        return
+    own = model.state_dict()
+    sd = dict(sd)
+    if ignore_head:
+        prefix = str(getattr(model, "pretrained_cfg", {}).get("classifier", "head")) + "."
+        own = {k: v for k, v in own.items() if not k.startswith(prefix)}
+        sd = {k: v for k, v in sd.items() if not k.startswith(prefix)}
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    mismatched = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+    if missing or unexpected or mismatched:
+        raise UserError(f"{where} does not fit {type(model).__name__}: {len(missing)} missing "
+                        f"({_preview(missing, 3)}), {len(unexpected)} unexpected ({_preview(unexpected, 3)}), "
+                        f"{len(mismatched)} shape-mismatched ({_preview(mismatched, 3)})")
+    model.load_state_dict(sd, strict=not ignore_head)
+
+
+def resmlp_from_state_dict(sd: Mapping, where: str, config_model: Mapping | None = None,
+                           img_size=None) -> tuple[nn.Module, str, dict]:
+    """(our ResMLP backbone holding `sd`, its name, its create_model overrides), the
+    architecture read off the weights (infer_arch); sd in any key format."""
+    from resmlp.models import convert_state_dict, create_model
+    sd = convert_state_dict(sd)
+    name, arch = infer_arch({k: v for k, v in sd.items() if not k.startswith("head.")}, config_model, img_size)
+    model = create_model(name, **arch, num_classes=0)
+    load_into(model, sd, where, ignore_head=True)
+    return model, name, arch
+
+
 def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None):
     import timm
     import resmlp.models  # noqa: F401 - registers this project's names with timm too
@@ -238,11 +298,7 @@ def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None):
         # random weights are seeded: the same spec gives the same weights (and cache key)
         with torch.random.fork_rng(devices=[]), _hub_offline_if_unreachable(pretrained):
             torch.manual_seed(0)
-            try:
-                model = timm.create_model(name, pretrained=pretrained, **kwargs)
-            except TypeError:  # an architecture without an img_size argument
-                kwargs.pop("img_size", None)
-                model = timm.create_model(name, pretrained=pretrained, **kwargs)
+            model = create_timm(name, pretrained=pretrained, **kwargs)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - no network, no cached file, wrong size, ...
@@ -286,7 +342,7 @@ def load_backbone(spec, key: str = "teacher", device="cpu", pretrained: bool = T
 
 
 def _load_file(spec: str, key: str, img_size=None):
-    from resmlp.models import ARCHS, convert_state_dict, create_model, load_pretrained
+    from resmlp.models import ARCHS
 
     path = resolve_checkpoint_path(spec)
     obj = load_checkpoint(path)
@@ -296,15 +352,8 @@ def _load_file(spec: str, key: str, img_size=None):
     cfg_model = (info["config"] or {}).get("model") or {}
     if cfg_model.get("name") and cfg_model["name"] not in ARCHS:
         return _load_timm_arch(sd, cfg_model, info, path)
-    sd = convert_state_dict(sd)
     head = _head_classes(sd)
-    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
-    name, arch = infer_arch(sd, cfg_model, img_size)
-    model = create_model(name, **arch, num_classes=0)
-    try:
-        load_pretrained(model, sd, strict=True, ignore_head=True)
-    except UserError as e:
-        raise UserError(f"{path}: {e}") from None
+    model, name, arch = resmlp_from_state_dict(sd, str(path), cfg_model, img_size)
     info.update(model=name, arch=arch, head_num_classes=head, is_resmlp=True,
                 cross_patch=arch.get("cross_patch", "linear"))
     return model, info
@@ -321,56 +370,57 @@ def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: Path):
     kwargs = {"num_classes": 0}
     if cfg_model.get("img_size"):
         kwargs["img_size"] = cfg_model["img_size"]
-    try:
-        model = timm.create_model(name, **kwargs)
-    except TypeError:
-        kwargs.pop("img_size")
-        model = timm.create_model(name, **kwargs)
-    own = model.state_dict()
+    model = create_timm(name, **kwargs)
     head_prefix = str(getattr(model, "pretrained_cfg", {}).get("classifier", "head")) + "."
-    head = {k: v for k, v in sd.items() if k.startswith(head_prefix) and k not in own}
-    sd = {k: v for k, v in sd.items() if k not in head}
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    mismatched = [k for k in sd if k in own and sd[k].shape != own[k].shape]
-    if missing or unexpected or mismatched:
-        raise UserError(f"{path}: checkpoint does not fit timm {name}: {len(missing)} missing "
-                        f"({_preview(missing, 3)}), {len(unexpected)} unexpected ({_preview(unexpected, 3)}), "
-                        f"{len(mismatched)} shape-mismatched ({_preview(mismatched, 3)})")
-    model.load_state_dict(sd)
-    w = head.get(head_prefix + "weight")
+    w = sd.get(head_prefix + "weight")
+    load_into(model, sd, f"{path}: checkpoint", ignore_head=True)
     info.update(model=name, arch={}, is_resmlp=False, cross_patch=None, source=f"{info['source']} (timm)",
                 head_num_classes=int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
     return model, info
 
 
-def load_classifier(spec, num_classes: int, key: str = "teacher", device="cpu",
-                    keep_head: bool = True, **overrides) -> tuple[nn.Module, dict]:
-    """A ResMLP classifier with `num_classes` outputs initialised from `spec` (fine-tuning).
+def load_classifier(spec: str, architecture: str | None = None) -> tuple[nn.Module, str]:
+    """(a trained classifier with its head, in eval mode without gradients; its name).
 
-    The backbone weights come from load_backbone; the head is the checkpoint's when it
-    has one of the same size and keep_head, else freshly initialised (info['head']:
-    'loaded' | 'new'). overrides go to create_model (e.g. drop_path_rate=0.1). Returns
-    the model in train mode with gradients on.
-    """
-    from resmlp.models import create_model
+    spec: a run dir / checkpoint of this project's supervised, distill or finetune
+    commands (its saved config names the architecture), or a foreign classifier
+    state_dict with `architecture` naming a timm or ResMLP model."""
+    from omegaconf import OmegaConf
 
-    backbone, info = load_backbone(spec, key=key, device="cpu")
-    if not info["is_resmlp"]:
-        raise UserError(f"{spec} is a timm model; fine-tune it with the supervised command instead")
-    model = create_model(info["model"], **{**info["arch"], **overrides}, num_classes=num_classes)
-    missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
-    assert not unexpected and all(k.startswith("head.") for k in missing), (missing, unexpected)
-    info["head"] = "new"
-    if keep_head and info["head_num_classes"] == num_classes and info["path"]:
-        from resmlp.models import convert_state_dict
-        sd, _ = unwrap(load_checkpoint(info["path"]), key, info["path"])
-        sd = convert_state_dict(sd)
-        head = {k[len("head."):]: v for k, v in sd.items() if k.startswith("head.")}
-        if isinstance(model.head, nn.Linear) and head:
-            model.head.load_state_dict(head)
-            info["head"] = "loaded"
-    return model.train().requires_grad_(True).to(device), info
+    from resmlp.models.from_config import build_model
+    path = resolve_checkpoint_path(spec)
+    obj = load_checkpoint(path)
+    if any(isinstance(obj.get(k), Mapping) for k in DINO_KEYS) and "model" not in obj:
+        raise UserError(f"{path} is a DINO checkpoint: its networks have no classifier. Fine-tune it first "
+                        f"(bash run.sh finetune {spec}) and pass that run as the teacher")
+    sd, info = unwrap(obj, "teacher", str(path))
+    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    if info["config"] and "model" in info["config"]:
+        model_cfg = OmegaConf.create(info["config"]["model"])
+    elif architecture:
+        model_cfg = OmegaConf.create({"name": architecture})
+    else:
+        raise UserError(f"{path} carries no config that names its architecture; add "
+                        "distill.teacher_model=<timm or resmlp model name>")
+    n = obj.get("num_classes") if obj.get("format") == FORMAT else None
+    if not n:
+        n = _classifier_rows(build_model(model_cfg, num_classes=1), sd)
+    if not n:
+        raise UserError(f"{path}: cannot find the classifier's weights (keys: {_preview(sd)})")
+    model = build_model(model_cfg, num_classes=int(n))
+    load_into(model, sd, str(path))
+    return model.eval().requires_grad_(False), str(model_cfg.name)
+
+
+def _classifier_rows(model: nn.Module, sd: Mapping) -> int | None:
+    """Classes of a classifier state_dict, read at the model's classifier key (timm's cfg)."""
+    key = getattr(model, "pretrained_cfg", {}).get("classifier", "head") if hasattr(model, "pretrained_cfg") \
+        else "head"
+    for k in (f"{key}.weight", "head.weight", "fc.weight", "head.fc.weight", "classifier.weight"):
+        w = sd.get(k)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            return int(w.shape[0])
+    return None
 
 
 def describe(info: Mapping) -> str:
@@ -384,11 +434,108 @@ def describe(info: Mapping) -> str:
     return " ".join(str(b) for b in bits)
 
 
-def run_dir_of(info: Mapping) -> Path | None:
-    """This project's run directory of a loaded checkpoint, else None."""
-    rd = info.get("run_dir")
-    return Path(rd) if rd else None
+# --------------------------------------------------------------------------- export
+
+FORMATS = ("timm", "official", "safetensors")
+# timm's ResMLP entry points, by (dim, depth, patch size) at 224 px
+TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (384, 36, 16): "resmlp_36_224",
+              (768, 24, 8): "resmlp_big_24_224"}
 
 
-__all__ = ["load_backbone", "load_classifier", "infer_arch", "unwrap", "weights_hash", "describe",
-           "run_dir_of"]
+def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None) -> tuple[Path, Path]:
+    """Write the backbone of `spec` (DINO: its `key` network) for use outside this project,
+    and a JSON beside it that says what it is and how to load it. Returns both paths.
+
+    timm         timm's keys (.pth): timm.create_model(<timm name>, pretrained=True,
+                 num_classes=0, pretrained_cfg_overlay=dict(file=...)) loads it
+    official     facebookresearch/deit resmlp_models.py keys (.pth); timm reads these too
+    safetensors  this project's keys in a .safetensors file:
+                 resmlp.models.load_pretrained(create_model(...), safetensors.torch.load_file(...))
+    """
+    from resmlp.models import export_state_dict
+    if fmt not in FORMATS:
+        raise UserError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    model, info = load_backbone(spec, key=key, pretrained=False)
+    if not info["is_resmlp"]:
+        raise UserError(f"{spec} is a timm {info['model']}: it is a timm model already, nothing to export")
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    base = Path(out) if out else (Path(info["path"]).parent / "export")
+    stem = f"{info['model']}_{info['key'] or 'backbone'}_{fmt}"
+    weights = base / (stem + (".safetensors" if fmt == "safetensors" else ".pth"))
+    base.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(sd, str(weights), metadata={"format": "resmlp-ssl", "model": info["model"]})
+    else:
+        from resmlp.core.checkpoint import atomic_write
+        with atomic_write(weights) as f:
+            torch.save(export_state_dict(sd, fmt), f)
+    card = export_card(info, fmt, weights)
+    from resmlp.eval.command import write_json
+    return weights, write_json(weights.with_suffix(".json"), card)
+
+
+def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
+    """What an exported file holds and how to use it: architecture, the data's
+    normalization and image size, and the k-NN result of its run if one is known."""
+    arch = dict(info["arch"])
+    cfg = info.get("config") or {}
+    data = dict(cfg.get("data") or {})
+    img = arch.get("img_size", data.get("img_size", 224))
+    card = {"format": fmt, "file": weights.name, "num_features": info.get("num_features"),
+            "source": {k: info.get(k) for k in ("spec", "source", "key", "epoch", "weights_hash")},
+            "architecture": {"model": info["model"], **arch},
+            "data": {"name": data.get("name"), "img_size": img, "patch_size": arch.get("patch_size"),
+                     "mean": data.get("mean", [0.485, 0.456, 0.406]), "std": data.get("std", [0.229, 0.224, 0.225]),
+                     "crop_ratio": data.get("crop_ratio")}}
+    timm_name = TIMM_NAMES.get((arch.get("dim"), arch.get("depth"), arch.get("patch_size")))
+    if fmt in ("timm", "official"):
+        kwargs = {"num_classes": 0}
+        if img != 224:
+            kwargs["img_size"] = img
+        if timm_name is None:
+            card["timm"] = None
+        else:
+            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            card["timm"] = {"model": timm_name, "kwargs": kwargs,
+                            "load": f"timm.create_model({timm_name!r}, pretrained=True, {args}, "
+                                    f"pretrained_cfg_overlay=dict(file={str(weights.name)!r}))"}
+    else:
+        card["load"] = (f"resmlp.models.load_pretrained(resmlp.models.create_model({info['model']!r}, num_classes=0, "
+                        f"**architecture), safetensors.torch.load_file({weights.name!r}))")
+    knn = _known_knn(info)
+    if knn:
+        card["knn"] = knn
+    return card
+
+
+def _known_knn(info: Mapping) -> dict | None:
+    """The k-NN result of the checkpoint's run, from its results.json or knn.json."""
+    import json
+    if not info.get("run_dir"):
+        return None
+    run = Path(info["run_dir"])
+    try:
+        res = json.loads((run / "results.json").read_text())
+        if "knn_top1" in res and (info.get("key") in (None, "teacher")):
+            return {k: res.get(k) for k in ("knn_top1", "knn_top5", "knn_k", "knn_T", "data") if k in res}
+    except (OSError, ValueError):
+        pass
+    try:
+        res = json.loads((run / "knn.json").read_text())
+        if (res.get("checkpoint") or {}).get("weights_hash") == info.get("weights_hash"):
+            return {"results": res.get("results"), "protocol": res.get("protocol")}
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def run(cfg) -> int:
+    """bash run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student] [out=...]"""
+    weights, card = export(cfg.checkpoint, str(cfg.export.format), str(cfg.features.key), cfg.out)
+    print(f"wrote {weights}\nwrote {card}", flush=True)
+    return 0
+
+
+__all__ = ["create_timm", "describe", "export", "infer_arch", "load_backbone", "load_classifier", "load_into",
+           "resmlp_from_state_dict", "unwrap", "weights_hash"]

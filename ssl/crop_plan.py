@@ -1,0 +1,101 @@
+"""DINO's multi-crop: which views each image gives (the crop plan) and where they are made.
+
+ResMLP's cross-patch layer is patches x patches, so a local crop with fewer patches cannot
+pass through it unchanged; `dino.local_crops` picks what the plan does about it:
+
+    resize       local crops cut at the local scale, resized to the global size
+    interpolate  local crops at local_size; the model resamples its cross-patch weights
+    subgrid      local crops at local_size; the model takes the centred sub-block of them
+    none         no local crops; the two global crops at `none_global_crops_scale`
+
+`build_views` turns a plan into the data path the trainer (and the benchmark) runs:
+with `dino.augment=device` the loader workers only decode to a uint8 square and
+GpuMultiCrop makes every view of the batch on the device; with `workers` each image's
+views are made in the loader workers (torchvision, PIL) and only copied over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from resmlp.core.errors import UserError
+
+STRATEGIES = ("resize", "interpolate", "subgrid", "none")
+AUGMENT_PLACES = ("device", "workers")
+
+
+@dataclass(frozen=True)
+class CropPlan:
+    global_size: int
+    local_size: int
+    n_local: int
+    global_scale: tuple[float, float]
+    local_scale: tuple[float, float]
+
+    @property
+    def n_crops(self) -> int:
+        return 2 + self.n_local
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.global_size] * 2 + [self.local_size] * self.n_local
+
+    def label(self) -> str:
+        """'2x224+8x96': the views of one image."""
+        return f"2x{self.global_size}" + (f"+{self.n_local}x{self.local_size}" if self.n_local else "")
+
+
+def crop_plan(cfg) -> CropPlan:
+    """The views of each image for the config's strategy, checked against the model."""
+    d = cfg.dino
+    if d.augment not in AUGMENT_PLACES:
+        raise UserError(f"dino.augment={d.augment!r} is not one of {', '.join(AUGMENT_PLACES)}")
+    if d.local_crops not in STRATEGIES:
+        raise UserError(f"dino.local_crops={d.local_crops!r} is not one of {', '.join(STRATEGIES)}")
+    g = int(cfg.data.img_size)
+    local, n_local = int(d.local_size), int(d.n_local_crops)
+    global_scale = tuple(d.global_crops_scale)
+    if d.local_crops == "resize":
+        local = g
+    elif d.local_crops == "none":
+        n_local, global_scale = 0, tuple(d.none_global_crops_scale)
+    if n_local and local % cfg.model.patch_size:
+        raise UserError(f"dino.local_size={local} is not a multiple of model.patch_size={cfg.model.patch_size}")
+    return CropPlan(g, local, n_local, global_scale, tuple(d.local_crops_scale))
+
+
+@dataclass
+class DinoViews:
+    """The data path of a plan: `transform` runs per image in the loader workers;
+    `to_device(batch)` turns a loader batch into the list of crops on the device."""
+    plan: CropPlan
+    transform: object
+    batch_augment: object | None   # GpuMultiCrop when the views are made on the device
+    seed: int
+
+    @property
+    def keyed(self) -> bool:
+        """The loader must hand out sample keys (the device augmentation draws by them)."""
+        return self.batch_augment is not None
+
+    def to_device(self, batch, device: torch.device) -> list[torch.Tensor]:
+        if self.batch_augment is None:
+            return [c.to(device, non_blocking=True) for c in batch[0]]
+        images, _, keys = batch
+        return self.batch_augment(images.to(device, non_blocking=True), seed=self.seed,
+                                  keys=keys.to(device, non_blocking=True))
+
+
+def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32) -> DinoViews:
+    """The trainer's data path for `plan`. On the device the crops come in `out_dtype`
+    (the step's autocast dtype: its first layer would cast them anyway), and the
+    augmentation is compiled when the step is (`compile=true`)."""
+    if cfg.dino.augment == "device":
+        from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
+        augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=bool(cfg.compile), out_dtype=out_dtype)
+        return DinoViews(plan, uint8_fixed_size(default_fixed_size(plan.global_size)), augment, int(cfg.seed))
+    from resmlp.data import build_multicrop_transform
+    transform = build_multicrop_transform(cfg.data, plan.global_size, plan.local_size, plan.n_local,
+                                          plan.global_scale, plan.local_scale)
+    return DinoViews(plan, transform, None, int(cfg.seed))
