@@ -6,12 +6,14 @@ for their label with weight exp(sim / T), votes are summed per class; top-1 / to
 those scores. DINO's defaults: k = 20 (also 10, 100, 200), T = 0.07.
 
 Exactness and ties. Two backends find the neighbours: FAISS (IndexFlatIP, exact) and
-torch (matmul + topk). Their float32 inner products may differ in the last bits, and
+torch (matmul + topk; TF32 on a GPU). Their inner products differ in the last bits, and
 neither says how it breaks ties, so the raw search is only a candidate generator:
-    1. search k + margin candidates per query (float32, any backend);
-    2. recompute the candidates' similarities on the CPU in float64 with one fixed piece
-       of code, and sort them by (-similarity, train index);
-    3. if the last candidate's float32 similarity is within the search's rounding error
+    1. search k + margin candidates per query (any backend, any precision with a known
+       rounding bound);
+    2. recompute the candidates' similarities in float64 with one fixed piece of code
+       (where the features are: the CPU, or the GPU for torch there), and sort them by
+       (-similarity, train index);
+    3. if the last candidate's search similarity is within the search's rounding bound
        of the k-th float64 similarity, a neighbour may hide outside the candidate list:
        search again for those queries with more candidates (up to the whole train set).
 The k neighbours, their order and the scores therefore depend only on the features,
@@ -191,38 +193,61 @@ def backend_name(backend: str = "auto", device=None) -> str:
 
 
 @contextlib.contextmanager
-def _fp32_matmul():
-    """Full-precision float32 matmul (no TF32) for the duration: the search must be exact."""
+def _matmul_precision(precision: str):
+    """torch's float32 matmul precision for the duration ('highest': true float32;
+    'high': TF32 on the GPU's tensor cores)."""
     old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(precision)
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(old)
 
 
+# Relative rounding of a TF32 operand (10 stored mantissa bits; counted as truncation).
+_TF32_U = 2.0**-10
+
+
 class _TorchSearch:
+    """Candidates by matmul + topk where the features live (CPU or GPU), and the exact
+    re-rank there too. On a GPU the candidate pass runs in TF32: several times the
+    float32 rate, and its error on unit vectors is bounded (`tolerance`), which is all
+    the exactness check of knn_search needs."""
+
     def __init__(self, train: torch.Tensor, device: torch.device):
         self.train = train.to(device)
         self.device = device
+        self.precision = "high" if device.type == "cuda" else "highest"
         n = train.shape[0]
         self.rows = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // (4 * n)))
 
+    def tolerance(self, d: int) -> float:
+        """A bound, with a factor 2 to spare, on |candidate-pass similarity - exact| for
+        unit vectors: operand rounding (2u, since sum |q_i t_i| <= 1) plus float32
+        accumulation over d terms."""
+        u = _TF32_U if self.precision == "high" else 2.0**-24
+        return 2.0 * (2.0 * u + d * 2.0**-24)
+
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         sims, idx = [], []
-        with torch.no_grad(), _fp32_matmul():
+        q = q.to(self.device)
+        with torch.no_grad(), _matmul_precision(self.precision):
             for s in range(0, q.shape[0], self.rows):
-                block = q[s:s + self.rows].to(self.device) @ self.train.T
-                v, i = block.topk(k, dim=1)
-                sims.append(v.cpu())
-                idx.append(i.cpu())
+                v, i = (q[s:s + self.rows] @ self.train.T).topk(k, dim=1)
+                sims.append(v)
+                idx.append(i)
         return torch.cat(sims), torch.cat(idx)
+
+    def exact(self, q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return _exact_similarities(q.to(self.device), self.train, idx)
 
 
 class _FaissSearch:
     def __init__(self, train: torch.Tensor, device: torch.device):
         faiss = _faiss()
         d = train.shape[1]
+        self.train = train
+        self.device = torch.device("cpu")   # where its results (and the re-rank) live
         if device.type == "cuda":
             self.res = faiss.StandardGpuResources()
             conf = faiss.GpuIndexFlatConfig()
@@ -232,13 +257,19 @@ class _FaissSearch:
             self.index = faiss.IndexFlatIP(d)
         self.index.add(train.numpy())
 
+    def tolerance(self, d: int) -> float:
+        return 2.0 * (2.0 * 2.0**-24 + d * 2.0**-24)
+
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         sims, idx = self.index.search(q.numpy(), k)
         return torch.from_numpy(sims), torch.from_numpy(idx).long()
 
+    def exact(self, q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return _exact_similarities(q, self.train, idx)
+
 
 def _exact_similarities(q: torch.Tensor, train: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """float64 cosines of each query with its candidates, by one fixed CPU computation
+    """float64 cosines of each query with its candidates, by one fixed computation
     (elementwise product + row sum) so identical vectors get bit-identical values."""
     cand = train[idx].double()                      # (q, c, d)
     return (cand * q.double().unsqueeze(1)).sum(-1)  # (q, c)
@@ -270,11 +301,10 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     k = check_ks([k], n)[0]
     name, dev = resolve_backend(backend, device)
     search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev)
-    # float32 rounding bound of a d-term dot product of unit vectors, with margin: a
-    # training feature whose float32 similarity is below (k-th exact - tol) cannot be
-    # among the k nearest.
-    tol = max(1e-6, 4.0 * d * 2.0**-24)
-    margin = max(8, k // 2)
+    # A training feature whose candidate-pass similarity is below (k-th exact - tol)
+    # cannot be among the k nearest: tol bounds the candidate pass's rounding.
+    tol = search.tolerance(d)
+    margin = max(8, k // 2) if tol < 1e-4 else max(16, k)  # a coarser pass needs more candidates
     if chunk_size is None:
         chunk_size = _CHUNK_BYTES // (16 * d * min(n, 4 * (k + margin)))
     chunk_size = int(max(1, min(_MAX_CHUNK, chunk_size)))
@@ -286,14 +316,14 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
         kc = min(n, k + margin)
         while rows.numel():
             q = test[rows]
-            s32, cand = search(q, kc)
-            exact, cand = _canonical_order(_exact_similarities(q, train, cand), cand)
+            approx, cand = search(q, kc)
+            exact, cand = _canonical_order(search.exact(q, cand), cand)
             if kc >= n:
                 done = torch.ones(rows.numel(), dtype=torch.bool)
             else:  # the search's last (smallest) candidate must be clearly below the k-th
-                done = s32[:, -1].double() < exact[:, k - 1] - tol
-            out_s[rows[done]] = exact[done, :k]
-            out_i[rows[done]] = cand[done, :k]
+                done = (approx[:, -1].double() < exact[:, k - 1] - tol).cpu()
+            out_s[rows[done]] = exact[done.to(exact.device), :k].cpu()
+            out_i[rows[done]] = cand[done.to(cand.device), :k].cpu()
             rows = rows[~done]
             kc = min(n, 4 * kc)
     return out_s, out_i

@@ -91,6 +91,34 @@ def test_faiss_and_torch_backends_agree_with_ties(k):
     np.testing.assert_allclose(b.numpy(), ref, rtol=1e-5)
 
 
+def test_a_coarse_candidate_pass_keeps_the_neighbours_exact(monkeypatch):
+    """The GPU's candidate pass runs in TF32; the re-rank and the rounding bound keep the
+    result exact. Emulated here with a much coarser pass (bf16 operands) and its bound:
+    the same neighbours as the float32 pass, queries that fail the check are searched
+    again, and with the bound ignored the answer would be wrong."""
+    from resmlp.eval import knn as K
+    g = torch.Generator().manual_seed(3)
+    centers = torch.randn(30, 48, generator=g)
+    xtr = centers[torch.randint(0, 30, (3000,), generator=g)] + 0.15 * torch.randn(3000, 48, generator=g)
+    xte = centers[torch.randint(0, 30, (200,), generator=g)] + 0.15 * torch.randn(200, 48, generator=g)
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+
+    calls = []
+
+    def coarse(self, q, k):
+        calls.append(k)
+        sims = q.bfloat16().float() @ self.train.bfloat16().float().T
+        return sims.topk(k, dim=1)
+
+    monkeypatch.setattr(K._TorchSearch, "__call__", coarse)
+    monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 2.0 * (2.0 * 2.0**-8 + d * 2.0**-24))
+    got_s, got_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
+    assert len(set(calls)) > 1  # some queries needed a wider second search
+    monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 0.0)
+    assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
+
+
 def test_chunking_does_not_change_results():
     xtr, ytr, xte = tie_features()
     whole = knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=10_000)
