@@ -86,9 +86,19 @@ class DinoViews:
     def to_device(self, batch, device: torch.device) -> list[torch.Tensor]:
         if self.batch_augment is None:
             return [c.to(device, non_blocking=True) for c in batch[0]]
-        images = batch.decode_on(device)
-        return self.batch_augment(images, seed=self.seed, keys=batch.keys.to(device, non_blocking=True),
-                                  sizes=batch.sizes.to(device, non_blocking=True))
+        return self.batch_augment(*self._device_args(batch, device))
+
+    def draw(self, batch, device: torch.device) -> tuple[list[torch.Tensor], list[dict]]:
+        """(crops, what was drawn for each view): to_device's crops with their boxes,
+        flips and photometric ops (GpuMultiCrop.draw), for `run.sh data data.preview=N`."""
+        if self.batch_augment is None:
+            raise UserError("the crop parameters are drawn on the device path only (dino.augment=device)")
+        args = self._device_args(batch, device)
+        return self.batch_augment(*args), self.batch_augment.draw(*args)
+
+    def _device_args(self, batch, device):
+        return (batch.decode_on(device), self.seed, batch.keys.to(device, non_blocking=True),
+                batch.sizes.to(device, non_blocking=True))
 
 
 def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
