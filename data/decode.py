@@ -26,6 +26,7 @@ Two users:
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 from typing import NamedTuple
@@ -126,6 +127,7 @@ def _draft_request(width: int, height: int, min_short: int | None):
     return (max(1, math.ceil(width * f)), max(1, math.ceil(height * f)))
 
 
+@functools.lru_cache(maxsize=None)
 def _tv_decode_jpeg():
     """(torchvision.io.decode_jpeg, its RGB mode), or None where torchvision has no image
     codecs (it deprecates them in favour of TorchCodec): PIL then decodes, with the same
@@ -242,8 +244,8 @@ class SourceDecoder:
 
 
 class SourceBatch(NamedTuple):
-    """A batch of the DINO device path. images: uint8 (k, 3, H, W), the images decoded in
-    the workers top-left on zeros, k = B unless some JPEGs wait for the device (then
+    """A batch of the DINO device path. images: uint8 (k, 3, H, W) (channels-last memory),
+    the images decoded in the workers top-left on zeros, k = B unless some JPEGs wait for the device (then
     pixel_slots says which batch positions they are); sizes: int64 (B, 2) valid (h, w);
     file_sizes: int64 (B, 2) the files' (height, width); labels, keys: (B,); jpegs /
     jpeg_slots: the JPEGs to decode on the device and their batch positions."""
@@ -279,19 +281,28 @@ def _padded(n: int) -> int:
 
 
 def collate_sources(samples) -> SourceBatch:
-    """[(Source, label, key)] -> SourceBatch (runs in the loader workers)."""
+    """[(Source, label, key)] -> SourceBatch (runs in the loader workers).
+
+    The batch is held channels-last ((k, H, W, 3) memory, seen as (k, 3, H, W)): both
+    decoders hand out pixels that way, so each image goes in with a plain copy (into
+    channels-first memory it would be a transposing copy, several times slower), and
+    only the padding is zeroed, so every byte is written once."""
     sources = [s[0] for s in samples]
     if not all(isinstance(s, Source) for s in sources):
         raise TypeError("collate_sources takes (Source, label, key) samples (SourceDecoder's output)")
     sizes = torch.tensor([s.size for s in sources], dtype=torch.int64)
     H, W = _padded(int(sizes[:, 0].max())), _padded(int(sizes[:, 1].max()))
     pixel_slots = [i for i, s in enumerate(sources) if s.pixels is not None]
-    images = torch.zeros(len(pixel_slots), 3, H, W, dtype=torch.uint8)
+    hwc = torch.empty(len(pixel_slots), H, W, 3, dtype=torch.uint8)
     for row, i in enumerate(pixel_slots):
         x = sources[i].pixels
-        images[row, :, :x.shape[1], :x.shape[2]] = x
+        h, w = x.shape[1:]
+        hwc[row, :h, :w] = x.permute(1, 2, 0)
+        hwc[row, :h, w:] = 0
+        hwc[row, h:] = 0
     jpeg_slots = [i for i, s in enumerate(sources) if s.pixels is None]
-    return SourceBatch(images, sizes, torch.tensor([s.file_size for s in sources], dtype=torch.int64),
+    return SourceBatch(hwc.permute(0, 3, 1, 2), sizes,
+                       torch.tensor([s.file_size for s in sources], dtype=torch.int64),
                        torch.tensor([int(s[1]) for s in samples], dtype=torch.int64),
                        torch.tensor([int(s[2]) for s in samples], dtype=torch.int64),
                        pixel_slots, [sources[i].jpeg for i in jpeg_slots], jpeg_slots)
