@@ -325,8 +325,8 @@ def render(results: list, summary: list, meta: dict, profile: str) -> str:
             parts += ["", f"== {family}: {TITLES[family]}", format_table(family, rows)]
     if summary:
         gpu = "gpu" in meta
-        parts += ["", "== against the goals" + ("" if gpu else " (the goals are for one H100/H200; a CPU run shows "
-                                                     "the figures only)")]
+        parts += ["", "== against the goals" + ("" if gpu else " (the GPU goals are for one H100/H200: a CPU run shows "
+                                                     "their figures only; the loader goals are per CPU core)")]
         parts += [("  [met]  " if s["met"] else "  [open] " if s["met"] is False else "  ") + s["text"]
                   for s in summary]
     failed = [r for r in results if r["status"] == "error"]
