@@ -174,7 +174,7 @@ def test_gpu_decode_gives_the_cpu_decoders_pixels_and_crops(tmp_path):
     (gb, gimg, gcrops), (cb, cimg, ccrops) = batches["gpu"], batches["cpu"]
     assert gb.jpegs and torch.equal(gb.sizes, cb.sizes) and gimg.shape == cimg.shape
     diff = (gimg.float() - cimg.float()).abs()
-    assert diff.mean() < 1.0 and diff.max() <= 64  # two JPEG decoders: rounding, chroma upsampling
+    assert diff.mean() < 1.5 and diff.max() <= 64  # two JPEG decoders: rounding, chroma upsampling
     assert all((a - b).abs().mean() < 0.05 for a, b in zip(gcrops, ccrops))
 
 
