@@ -41,6 +41,9 @@ from resmlp.data.images import to_rgb
 # Padded batches are rounded up to this many pixels per side, so that the device sees
 # a handful of distinct shapes rather than one per batch.
 PAD_MULTIPLE = 32
+# What libjpeg decodes (PIL names a camera's multi-picture JPEG "MPO"; its first picture
+# is the photo, which both decoders return).
+JPEG_FORMATS = ("JPEG", "MPO")
 
 
 class EncodedImage:
@@ -155,8 +158,9 @@ def decode_rgb(item, min_short: int | None = None, max_long: int | None = None):
     try:
         im = jpeg_header(item.data)
         width, height = im.size
-        request = _draft_request(width, height, min_short) if im.format == "JPEG" else None
-        if im.format == "JPEG" and request is None and _tv_decode_jpeg() is not None:
+        jpeg = im.format in JPEG_FORMATS
+        request = _draft_request(width, height, min_short) if jpeg else None
+        if jpeg and request is None and _tv_decode_jpeg() is not None:
             im.close()
             decode_jpeg, rgb = _tv_decode_jpeg()
             x = decode_jpeg(torch.frombuffer(bytearray(item.data), dtype=torch.uint8), mode=rgb)

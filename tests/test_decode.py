@@ -1,7 +1,6 @@
 """resmlp.data.decode and `run.sh data data.preview=N`: whole images decoded fast, large
 ones shrunk only while enough detail is left, batched with their sizes, decoded on the
 GPU on request, and the preview drawn by the trainer's own data path."""
-import io
 import json
 
 import numpy as np
