@@ -43,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     phases = _pop(args, "profile.phases", "loader,augment,step").split(",")
     from resmlp.core.config import load_config
     from resmlp.data import build_dataset, train_split_for_ssl
-    from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
+    from resmlp.data.decode import source_side
+    from resmlp.data.gpu_augment import GpuMultiCrop
     from resmlp.data.resumable import build_train_loader
     from resmlp.bench import rows as R
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.ssl.crop_plan import build_views, crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,14 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {1e3 * seconds:9.2f} ms  {batch / seconds:10.0f} img/s", flush=True)
 
     # ---- loader alone ------------------------------------------------------------------
-    fixed = default_fixed_size(plan.global_size)
     if "loader" in phases:
+        views = build_views(cfg, plan, device=device)
         dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
-        loader, sampler = build_train_loader(dataset, uint8_fixed_size(fixed), batch, cfg.seed, cfg.num_workers,
-                                             pin_memory=device.type == "cuda", keyed=True)
+        loader, sampler = build_train_loader(dataset, views.transform, batch, cfg.seed, cfg.num_workers,
+                                             pin_memory=device.type == "cuda", keyed=True, collate_fn=views.collate)
         sampler.set_epoch(0)
         it = iter(loader)
-        images, _, keys = [next(it) for _ in range(5)][0]
+        first = [next(it) for _ in range(5)][0]
+        images, sizes, keys = first.decode_on(device), first.sizes, first.keys
         t = time.perf_counter()
         n = 0
         for _ in range(steps):
@@ -80,15 +82,17 @@ def main(argv: list[str] | None = None) -> int:
             n += 1
         record("loader", (time.perf_counter() - t) / max(1, n))
     else:
-        images = torch.randint(0, 256, (batch, 3, fixed, fixed), dtype=torch.uint8)
+        side = source_side(cfg.data)  # random pixels at the largest source size
+        images = torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8)
+        sizes = torch.full((batch, 2), side)
         keys = torch.arange(batch)
 
     # ---- augmentation alone --------------------------------------------------------------
-    images, keys = images.to(device), keys.to(device)
+    images, sizes, keys = images.to(device), sizes.to(device), keys.to(device)
     for comp in sorted({False, bool(cfg.compile)}) if "augment" in phases else ():
         aug = GpuMultiCrop.from_plan(plan, cfg.data, compile=comp,
                                      out_dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
-        t = measure(lambda: aug(images, seed=0, keys=keys), device, 3, steps, 3)
+        t = measure(lambda: aug(images, seed=0, keys=keys, sizes=sizes), device, 3, steps, 3)
         record(f"augment {'compiled' if comp else 'eager'}", t.seconds)
 
     # ---- the step alone, and profiled ---------------------------------------------------

@@ -6,10 +6,14 @@ becomes that line's error while the other lines still run.
   dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep) and the
              reference-style loop (bench/reference.py), per model and crop strategy
   e2e        the same step fed from JPEG files by DataLoader workers: the CPU multi-crop
-             transform vs uint8 squares + GpuMultiCrop, against the synthetic-input step
+             transform vs whole decoded images + GpuMultiCrop (on a GPU also with the
+             JPEGs decoded there), against the synthetic-input step
   inference  fold_affine + torch.compile against timm's ResMLP, eager
   knn        weighted k-NN classification per search backend
   aug        augmentation throughput: CPU transforms per core, GpuMultiCrop per device
+  loader     the loader side per CPU core on ImageNet-like JPEG files (read, decode,
+             per-image work, collate): the device path's and the eval transform's,
+             against the reference DINO transform and eval transform on the same files
 bench/NOTES.md has the method and the predictions.
 """
 from __future__ import annotations
@@ -339,6 +343,9 @@ def e2e_family(ctx) -> None:
         ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
         ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e(ctx, state, "workers"))
         ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e(ctx, state, "device"))
+        if dev.type == "cuda":
+            ctx.attempt("e2e", {**base, "path": "GpuMultiCrop, JPEGs decoded on the GPU (data.decode=gpu)"},
+                        lambda: _e2e(ctx, state, "device", "gpu"))
     finally:
         state.clear()
         _compile_cleanup(bool(e.compile))
@@ -356,7 +363,7 @@ def _e2e_synthetic(ctx, state) -> dict:
             "mem_gb": peak_memory_gb(dev)}
 
 
-def _e2e(ctx, state, where: str) -> dict:
+def _e2e(ctx, state, where: str, decode: str = "cpu") -> dict:
     """Loader alone (views on the device, no step), then loader + step, images/s."""
     from omegaconf import OmegaConf
 
@@ -364,11 +371,13 @@ def _e2e(ctx, state, where: str) -> dict:
     from resmlp.data.resumable import build_train_loader
     from resmlp.ssl.crop_plan import build_views, crop_plan
     p, e, dev, step = ctx.p, ctx.p.e2e, ctx.device, state["step"]
-    cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}})
+    cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}, "data": {"decode": decode}})
     batch = int(p.batch_size)
-    views = build_views(cfg, crop_plan(cfg), out_dtype=DTYPES[p.precision] if dev.type == "cuda" else torch.float32)
+    views = build_views(cfg, crop_plan(cfg), out_dtype=DTYPES[p.precision] if dev.type == "cuda" else torch.float32,
+                        device=dev)
     loader, sampler = build_train_loader(build_dataset(cfg.data, "train"), views.transform, batch, cfg.seed,
-                                         cfg.num_workers, pin_memory=dev.type == "cuda", keyed=views.keyed)
+                                         cfg.num_workers, pin_memory=dev.type == "cuda", keyed=views.keyed,
+                                         collate_fn=views.collate)
 
     def only(b):
         views.to_device(b, dev)
@@ -567,7 +576,8 @@ def _knn_raw(ctx, train, test, dtype) -> dict:
 
 def aug_family(ctx) -> None:
     from resmlp.data import build_multicrop_transform
-    from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
+    from resmlp.data.decode import SourceDecoder, collate_sources, source_side
+    from resmlp.data.gpu_augment import GpuMultiCrop
     from resmlp.data.transforms import mean_std
     from resmlp.ssl.crop_plan import crop_plan
     a, p = ctx.p.aug, ctx.p
@@ -579,9 +589,10 @@ def aug_family(ctx) -> None:
     images = [synthetic_image(int(w), int(h), i) for i, (w, h) in enumerate(sides)]
     few = images[:max(1, int(a.cpu_images))]
     label = plan.label()
-    side = default_fixed_size(plan.global_size)  # what the trainer's loader delivers
-    fixed = uint8_fixed_size(side)
-    batch = torch.stack([fixed(im) for im in images[:int(a.batch_size)]])
+    side = source_side(cfg.data)  # what the trainer's loader delivers
+    source = SourceDecoder(side)
+    sources = collate_sources([(source(im), 0, i) for i, im in enumerate(images[:int(a.batch_size)])])
+    batch, sizes = sources.images, sources.sizes
 
     # Per CPU core: every transform on the same images, timed in alternating repeats.
     per_core = {}   # key -> (identity, callable over the images, number of images)
@@ -601,13 +612,13 @@ def aug_family(ctx) -> None:
         def skipped():
             raise Skip(reason)
         ctx.attempt("aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, skipped)
-    per_core["fixed"] = ({"impl": f"uint8_fixed_size({side}) (GPU path's loader side)", "crops": "-"},
-                         _over(fixed, few), len(few))
+    per_core["source"] = ({"impl": f"SourceDecoder({side}) of a PIL image (GPU path's loader side)",
+                           "crops": "-"}, _over(source, few), len(few))
     for interp in a.interpolation:
         aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(interp))
-        xb = batch[:len(few)]
+        xb, sb = batch[:len(few)], sizes[:len(few)]
         per_core[f"gpu_{interp}"] = ({"impl": f"GpuMultiCrop {interp} eager", "crops": label},
-                                     lambda aug=aug, xb=xb: aug(xb, seed=0), len(xb))
+                                     lambda aug=aug, xb=xb, sb=sb: aug(xb, seed=0, sizes=sb), len(xb))
     timed: dict = {}
     failure: Exception | None = None
     try:
@@ -630,8 +641,8 @@ def aug_family(ctx) -> None:
             for comp in a.device_compile:
                 ident = {"impl": f"GpuMultiCrop {interp} {'compile' if comp else 'eager'}", "where": "cuda",
                          "threads": None, "crops": label}
-                ctx.attempt("aug", ident, lambda: _gpu_aug_rate(ctx, plan, cfg, batch, str(interp), bool(comp),
-                                                                 ctx.device))
+                ctx.attempt("aug", ident, lambda: _gpu_aug_rate(ctx, plan, cfg, batch, sizes, str(interp),
+                                                                 bool(comp), ctx.device))
 
 
 def _over(transform, images):
@@ -641,17 +652,139 @@ def _over(transform, images):
     return all_images
 
 
-def _gpu_aug_rate(ctx, plan, cfg, batch_u8, interp: str, comp: bool, device, n_threads=None) -> dict:
+def _gpu_aug_rate(ctx, plan, cfg, batch_u8, sizes, interp: str, comp: bool, device, n_threads=None) -> dict:
     from resmlp.data.gpu_augment import GpuMultiCrop
     aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=interp, compile=comp)
-    x = batch_u8.to(device)
+    x, s = batch_u8.to(device), sizes.to(device)
     reset_memory(device)
     try:
         calls = 1 if device.type == "cpu" else int(ctx.p.steps)
         with threads(n_threads):
-            t = measure(lambda: aug(x, seed=0), device, warmup=2 if comp else 1, calls=calls,
+            t = measure(lambda: aug(x, seed=0, sizes=s), device, warmup=2 if comp else 1, calls=calls,
                         repeats=int(ctx.p.repeats))
     finally:
         _compile_cleanup(comp)
     return {"images_per_s": x.shape[0] / t.seconds, "batch": int(x.shape[0]), "first_s": t.first_s,
             "per_core": n_threads == 1, "spread": t.spread, "mem_gb": peak_memory_gb(device)}
+
+
+# --------------------------------------------------------------------------- loader
+
+def loader_family(ctx) -> None:
+    """What one loader worker does per image, on one core: ours (the DINO device path's
+    SourceDecoder + collate, with data.decode=cpu and gpu; the fast eval transform)
+    against the reference (PIL decode + DINO's per-image multi-crop, as lightly's
+    DINOTransform implements DataAugmentationDINO; PIL decode + DINO's eval transform),
+    interleaved on the same JPEG files. Each line has the load average it ran under."""
+    q = ctx.p.loader
+    root = tempfile.mkdtemp(prefix="resmlp_bench_loader_")
+    try:
+        ident = {"impl": "write JPEGs", "where": "cpu", "image": f"{q.width}x{q.height} q{q.quality}"}
+        files: dict = {}
+        if ctx.attempt("loader", ident, lambda: _write_loader_files(q, root, files))["status"] != "ok":
+            return
+        _loader_lines(ctx, q, root, files)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _write_loader_files(q, root: str, files: dict) -> dict:
+    """n JPEGs of width x height (half of them turned to portrait) at the given quality."""
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    sizes = []
+    for i in range(int(q.n_images)):
+        w, h = (int(q.width), int(q.height)) if i % 2 == 0 else (int(q.height), int(q.width))
+        path = os.path.join(root, "train", f"c{i % 2}", f"{i:05d}.jpg")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        synthetic_image(w, h, int(rng.integers(2**31))).save(path, quality=int(q.quality))
+        sizes.append(os.path.getsize(path))
+    for c in range(2):
+        os.makedirs(os.path.join(root, "val", f"c{c}"), exist_ok=True)
+        synthetic_image(64, 48, c).save(os.path.join(root, "val", f"c{c}", "0.jpg"), quality=int(q.quality))
+    files["kb"] = float(np.mean(sizes)) / 1024
+    return {"images": int(q.n_images), "mean_kb": files["kb"], "write_s": time.perf_counter() - t0}
+
+
+def _loader_lines(ctx, q, root: str, files: dict) -> None:
+    from torch.utils.data import default_collate
+    from torchvision import transforms as T
+
+    from resmlp.core.config import load_config
+    from resmlp.data import build_dataset, build_eval_transform
+    from resmlp.data.decode import SourceDecoder, serve_encoded, source_side
+    from resmlp.data.resumable import KeyedDataset
+    from resmlp.data.transforms import mean_std
+    from resmlp.ssl.crop_plan import build_views, crop_plan
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", "data=imagefolder", f"data.root={root}",
+                                              f"data.img_size={int(q.img_size)}", f"dino.local_size={int(q.local_size)}",
+                                              f"dino.n_local_crops={int(q.n_local)}", "dino.local_crops=interpolate",
+                                              f"model.patch_size={int(q.patch_size)}"])
+    plan = crop_plan(cfg)
+    mean, std = mean_std(cfg.data)
+    n, batch = int(q.n_images), int(q.batch_size)
+    image = f"{q.width}x{q.height} q{q.quality}"
+
+    def over(dataset, collate):
+        """Fetch and collate every image in batches, as a loader worker does."""
+        def run():
+            for start in range(0, n, batch):
+                collate([dataset[k] for k in range(start, min(n, start + batch))])
+        return run
+
+    lines = {}   # key -> (identity, callable over all n images, the key it is compared with)
+    views = build_views(cfg, plan)
+    ds = build_dataset(cfg.data, "train")
+    serve_encoded(ds)  # as build_train_loader does for a transform that reads files
+    lines["ours"] = ({"impl": f"ours, DINO device path: {views.transform!r} + collate", "crops": plan.label()},
+                     over(KeyedDataset(ds, views.transform), views.collate), "reference")
+    deferred = SourceDecoder(source_side(cfg.data), defer_jpeg=True)  # what data.decode=gpu's workers run
+    lines["ours_gpu"] = ({"impl": f"ours, data.decode=gpu: {deferred!r} + collate (decoded on the GPU later)",
+                          "crops": plan.label()}, over(KeyedDataset(ds, deferred), views.collate), "reference")
+    try:
+        need_lightly()
+        from lightly.transforms import DINOTransform
+        dino = DINOTransform(global_crop_size=plan.global_size, global_crop_scale=plan.global_scale,
+                             local_crop_size=plan.local_size, local_crop_scale=plan.local_scale,
+                             n_local_views=plan.n_local, normalize={"mean": list(mean), "std": list(std)})
+        lines["reference"] = ({"impl": "reference: PIL decode + DataAugmentationDINO (lightly DINOTransform) "
+                                       "+ collate", "crops": plan.label()},
+                              over(build_dataset(cfg.data, "train", transform=dino), default_collate), None)
+    except Skip as e:
+        reason = str(e)
+
+        def skipped():
+            raise Skip(reason)
+        ctx.attempt("loader", {"impl": "reference: lightly DINOTransform", "where": "cpu", "threads": 1,
+                               "image": image}, skipped)
+    size = int(cfg.data.img_size)
+    resize = int(round(size / float(cfg.data.crop_ratio)))
+    ref_eval = T.Compose([T.Resize(resize, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
+                          T.ToTensor(), T.Normalize(mean, std)])
+    lines["eval"] = ({"impl": "ours, eval transform (fast decode, torchvision on uint8) + collate", "crops": "-"},
+                     over(build_dataset(cfg.data, "train", transform=build_eval_transform(cfg.data)),
+                          default_collate), "eval_reference")
+    lines["eval_reference"] = ({"impl": "reference: PIL decode + DINO's eval transform (Resize, CenterCrop, "
+                                        "ToTensor, Normalize) + collate", "crops": "-"},
+                               over(build_dataset(cfg.data, "train", transform=ref_eval), default_collate), None)
+    timed: dict = {}
+    failure: Exception | None = None
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    try:
+        with threads(1):
+            timed.update(measure_interleaved({k: v[1] for k, v in lines.items()}, torch.device("cpu"),
+                                             warmup=1, calls=1, repeats=max(3, int(q.repeats))))
+    except Exception as e:  # noqa: BLE001 - reported on every line below
+        failure = e
+    after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    for key, (ident, _, versus) in lines.items():
+        def fields(key=key, versus=versus):
+            if key not in timed:
+                raise failure
+            t = timed[key]
+            out = {"images_per_s": n / t.seconds, "per_core": True, "spread": t.spread, "interleaved": True,
+                   "mean_kb": files["kb"], "load_avg": [load, after]}
+            if versus in timed:
+                out["vs_reference"] = timed[versus].seconds / t.seconds
+            return out
+        ctx.attempt("loader", {**ident, "where": "cpu", "threads": 1, "image": image}, fields)

@@ -36,7 +36,7 @@ COMMANDS = {
     "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model"),
     "export": Command("resmlp.models.checkpoints:run", "a backbone for timm / the official code / safetensors",
                       "checkpoint", {"format": "export.format", "key": "features.key"}),
-    "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true)"),
+    "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)"),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),
 }
 

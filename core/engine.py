@@ -39,7 +39,9 @@ KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
 # Sections whose change makes a saved checkpoint unusable for this run, and the keys in
 # them that may change on resume (memory settings: the weights do not depend on them).
 RESUME_MUST_MATCH = ("command", "model", "data")
-RESUME_MAY_CHANGE = ("model.grad_checkpointing",)
+# data.decode: where JPEGs are decoded (the same pixels up to a rounding step); data.preview:
+# only `run.sh data` reads it.
+RESUME_MAY_CHANGE = ("model.grad_checkpointing", "data.decode", "data.preview")
 
 
 def seed_everything(seed: int) -> None:

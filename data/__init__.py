@@ -7,9 +7,11 @@ Datasets yield (transform(RGB PIL image), int label) and have .classes, .targets
 - fashion_mnist.py, imagefolder.py, torchvision_sets.py   one per source of files
 - subset.py         data.subset: deterministic class-balanced subsets
 - transforms.py     eval and linear-probe transforms, mean/std
-- multicrop.py      DINO multi-crop (and the uint8 hook for a GPU stage)
+- multicrop.py      DINO multi-crop per image (the dino.augment=workers path)
+- decode.py         fast decoding in the workers: whole images for the device path
+                    (gpu_augment.py), uint8 tensors for the eval transforms
 - loader.py         build_loader, set_epoch, ShardSampler, worker error unwrapping
-- inspect.py        `run.sh data`
+- inspect.py        `run.sh data`; preview.py: `run.sh data data.preview=N`
 """
 from resmlp.data.datasets import (build_dataset, class_names, dataset_splits, num_classes,
                                   train_split_for_ssl)

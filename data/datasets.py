@@ -1,7 +1,8 @@
 """`build_dataset(data_cfg, split)`: the one entry point from `data.name` to a torch Dataset.
 
 Every dataset yields (transform(img), int label) where img is an RGB PIL image (the rule
-in images.py), and has `.classes` (list of str), `.targets` (list or 1-D int array) and
+in images.py; image folders give a transform that reads files their bytes instead,
+decode.py), and has `.classes` (list of str), `.targets` (list or 1-D int array) and
 `.source` (where its files were found).
 
 | data.name     | splits                       | files (see its module)                    |
@@ -23,6 +24,7 @@ from typing import Callable
 
 from resmlp.core.errors import UserError
 from resmlp.data import fashion_mnist, imagefolder, torchvision_sets
+from resmlp.data.decode import reads_files, serve_encoded
 from resmlp.data.subset import make_subset
 
 
@@ -70,12 +72,15 @@ def train_split_for_ssl(data_cfg) -> str:
 def build_dataset(data_cfg, split: str, transform=None):
     """The `split` ('train' | 'test' | 'unlabeled' for stl10) of `data.name`, subset applied.
 
-    `transform` is applied to the RGB PIL image. A missing or broken dataset is a UserError.
+    `transform` is applied to the RGB PIL image, or, for a transform that reads files
+    (resmlp.data.decode), to the file's bytes. A missing or broken dataset is a UserError.
     """
     info = dataset_info(data_cfg)
     if split not in info.splits:
         raise UserError(f"data.name={data_cfg.name} has splits {', '.join(info.splits)}, not {split!r}")
     dataset = info.build(data_cfg, split, transform)
+    if reads_files(transform):
+        serve_encoded(dataset)
     n = data_cfg.get("subset", None)
     if n is not None and split in SUBSET_SPLITS:
         dataset = make_subset(dataset, n)

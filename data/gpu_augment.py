@@ -2,18 +2,21 @@
 
 The CPU path (multicrop.py) augments one PIL image at a time in the loader workers; on
 a GPU box with 16 cores that is likely the bottleneck (reference.md, "Performance
-anchors"). Here the workers only decode and bring every image to one fixed size
-(`uint8_fixed_size`), and `GpuMultiCrop` makes all the views of the batch on the
-device, every sample with its own random parameters:
+anchors"). Here the workers only decode each whole image (decode.py: `SourceDecoder`
+and `collate_sources` put the batch's images top-left in one zero-padded uint8 tensor
+and send each image's valid height and width along), and `GpuMultiCrop` makes all the
+views of the batch on the device, every sample with its own random parameters:
 
-    crops = GpuMultiCrop.from_plan(crop_plan(cfg), cfg.data)(images_uint8, seed, keys)
+    crops = GpuMultiCrop.from_plan(crop_plan(cfg), cfg.data)(images_uint8, seed, keys, sizes)
     # -> [global_1, global_2, local_1 .. local_n], float (B, 3, S, S), normalized
 
 Per view, in DINO's order (same probabilities as multicrop.py's table):
 
-1. random resized crop: area fraction ~ U(scale), log aspect ratio ~ U(log 3/4, log 4/3),
-   integer box, 10 attempts then a centred fallback, exactly as torchvision's
-   RandomResizedCrop draws it; then horizontal flip with p 0.5.
+1. random resized crop over the whole image: area fraction ~ U(scale) of the image's
+   own area, log aspect ratio ~ U(log 3/4, log 4/3), integer box, 10 attempts then a
+   centred fallback, exactly as torchvision's RandomResizedCrop draws it on that image;
+   then horizontal flip with p 0.5. The padding around an image is never sampled: each
+   box lies inside its image's valid (h, w) and the bicubic taps stop at the box.
    Interpolation, `interpolation=`:
      'bicubic' (default): the box is resampled with PIL's antialiased bicubic filter
        (a = -0.5, kernel widened by the downscale factor, taps limited to the box), i.e.
@@ -36,8 +39,8 @@ Per view, in DINO's order (same probabilities as multicrop.py's table):
 5. solarization, p 0.2, second global view only (x >= 128/255 -> 1 - x).
 6. normalization with mean / std.
 Differences from the CPU path: values stay float between steps (PIL rounds to uint8
-after each), and the crops come from the fixed-size square, not the whole image (see
-`uint8_fixed_size`).
+after each), and an image larger than data.source_side was shrunk when decoded
+(decode.py), so its crops are resampled from that copy rather than the file's pixels.
 
 Randomness: every random number is a counter-based hash of (seed, key of the sample,
 view, draw), no generator state. So the same (seed, keys) give the same crops on any
@@ -118,37 +121,40 @@ def augment_seed(run_seed: int, iteration: int, rank: int = 0) -> int:
 
 # --------------------------------------------------------------------------- geometry
 
-def crop_boxes(u: torch.Tensor, height: int, width: int, scale, ratio):
+def crop_boxes(u: torch.Tensor, height, width, scale, ratio):
     """torchvision's RandomResizedCrop.get_params, vectorized: (top, left, h, w) float (N,)
-    from 40 uniforms per sample (10 attempts of area, log-ratio, top, left)."""
-    area = float(height * width)
-    a = area * (scale[0] + (scale[1] - scale[0]) * u[:, _AREA:_AREA + _ATTEMPTS])
+    from 40 uniforms per sample (10 attempts of area, log-ratio, top, left).
+
+    height, width: the image's size, one for all (ints) or per sample (float tensors
+    (N,)): each box is drawn over its own whole image, area and aspect ratio relative to
+    it, as torchvision draws it on that image alone."""
+    H = height if torch.is_tensor(height) else torch.full_like(u[:, 0], float(height))
+    W = width if torch.is_tensor(width) else torch.full_like(u[:, 0], float(width))
+    H, W = H.view(-1, 1), W.view(-1, 1)
+    a = (H * W) * (scale[0] + (scale[1] - scale[0]) * u[:, _AREA:_AREA + _ATTEMPTS])
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     ar = torch.exp(lo + (hi - lo) * u[:, _LOGR:_LOGR + _ATTEMPTS])
     w = torch.round(torch.sqrt(a * ar))
     h = torch.round(torch.sqrt(a / ar))
-    ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-    top = torch.minimum(torch.floor(u[:, _TOP:_TOP + _ATTEMPTS] * (height - h + 1)), height - h)
-    left = torch.minimum(torch.floor(u[:, _LEFT:_LEFT + _ATTEMPTS] * (width - w + 1)), width - w)
+    ok = (w > 0) & (h > 0) & (w <= W) & (h <= H)
+    top = torch.minimum(torch.floor(u[:, _TOP:_TOP + _ATTEMPTS] * (H - h + 1)), H - h)
+    left = torch.minimum(torch.floor(u[:, _LEFT:_LEFT + _ATTEMPTS] * (W - w + 1)), W - w)
     first = ok.float().argmax(dim=1, keepdim=True)  # first successful attempt
 
     def pick(t):
         return t.gather(1, first).squeeze(1)
 
     # torchvision's fallback after 10 failures: the whole image, ratio clamped, centred
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        fw, fh = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        fw, fh = int(round(height * ratio[1])), height
-    else:
-        fw, fh = width, height
+    H, W = H.squeeze(1), W.squeeze(1)
+    in_ratio = W / H
+    narrow, wide = in_ratio < ratio[0], in_ratio > ratio[1]
+    fw = torch.where(wide, torch.round(H * ratio[1]), W)
+    fh = torch.where(narrow, torch.round(W / ratio[0]), H)
     any_ok = ok.any(dim=1)
-    full = torch.ones_like(any_ok, dtype=torch.float32)
-    top = torch.where(any_ok, pick(top), full * ((height - fh) // 2))
-    left = torch.where(any_ok, pick(left), full * ((width - fw) // 2))
-    h = torch.where(any_ok, pick(h), full * fh)
-    w = torch.where(any_ok, pick(w), full * fw)
+    top = torch.where(any_ok, pick(top), torch.div(H - fh, 2, rounding_mode="floor"))
+    left = torch.where(any_ok, pick(left), torch.div(W - fw, 2, rounding_mode="floor"))
+    h = torch.where(any_ok, pick(h), fh)
+    w = torch.where(any_ok, pick(w), fw)
     return top, left, h, w
 
 
@@ -275,6 +281,15 @@ def color_jitter(x: torch.Tensor, u: torch.Tensor, strength, prob: float) -> tor
     return x
 
 
+def op_flags(u: torch.Tensor, blur_p: torch.Tensor, sol_p: torch.Tensor, *, jitter, jitter_prob: float,
+             gray_prob: float) -> dict:
+    """Which photometric ops each sample draws (bool (N,) each): the one place the
+    augmentation and the preview (data.preview) read them from."""
+    jitters = jitter_prob > 0 and any(jitter)
+    return {"jitter": (u[:, _JIT] < jitter_prob) & jitters, "gray": u[:, _GRAY] < gray_prob,
+            "blur": u[:, _BLUR] < blur_p, "solarize": u[:, _SOLAR] < sol_p}
+
+
 def photometric(x: torch.Tensor, u: torch.Tensor, blur_p: torch.Tensor, sol_p: torch.Tensor,
                 mean: torch.Tensor, inv_std: torch.Tensor, *, jitter, jitter_prob: float,
                 gray_prob: float, sigma, radius: int, threshold: float,
@@ -283,15 +298,14 @@ def photometric(x: torch.Tensor, u: torch.Tensor, blur_p: torch.Tensor, sol_p: t
     returns float32 (N, 3, S, S) (a view of an (N, S, 3, S) tensor). Shapes and Python
     numbers only: torch.compile fuses it (GpuMultiCrop(compile=True))."""
     n, size = x.shape[0], x.shape[1]
+    flags = op_flags(u, blur_p, sol_p, jitter=jitter, jitter_prob=jitter_prob, gray_prob=gray_prob)
     if jitter_prob > 0 and any(jitter):
         x = color_jitter(x, u, jitter, jitter_prob)
-    gray = (u[:, _GRAY] < gray_prob).view(-1, 1, 1, 1)
-    x = torch.where(gray, _gray(x), x)
-    g = blur_matrix(sigma[0] + (sigma[1] - sigma[0]) * u[:, _SIGMA], u[:, _BLUR] < blur_p, size, radius)
+    x = torch.where(flags["gray"].view(-1, 1, 1, 1), _gray(x), x)
+    g = blur_matrix(sigma[0] + (sigma[1] - sigma[0]) * u[:, _SIGMA], flags["blur"], size, radius)
     x = torch.bmm(g, x.reshape(n, size, 3 * size))                            # along rows
     x = torch.bmm(x.view(n, 3 * size, size), g.transpose(1, 2)).view(n, size, 3, size)  # columns
-    sol = (u[:, _SOLAR] < sol_p).view(-1, 1, 1, 1)
-    x = torch.where(sol & (x >= threshold), 1.0 - x, x)
+    x = torch.where(flags["solarize"].view(-1, 1, 1, 1) & (x >= threshold), 1.0 - x, x)
     if normalize:
         x = (x - mean.view(1, 1, 3, 1)) * inv_std.view(1, 1, 3, 1)
     return x.permute(0, 2, 1, 3)
@@ -371,7 +385,57 @@ class GpuMultiCrop:
 
     # ---- the call -----------------------------------------------------------------------
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, seed: int, keys: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def __call__(self, images: torch.Tensor, seed: int, keys: torch.Tensor | None = None,
+                 sizes: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """images: uint8 (B, 3, H, W); sizes: int (B, 2), the valid (h, w) of each image,
+        which sits top-left in its (H, W) (None: every image fills it). Crops are drawn
+        over each image's valid part only, and resampled from nothing else."""
+        B, H, W, keys, sizes = self._check(images, keys, sizes)
+        dev = images.device
+        u_all = counter_uniforms(seed, keys, self.n_views)
+        if self.interpolation == "bicubic":
+            src = images.permute(0, 2, 1, 3).reshape(B, H, 3 * W).float()   # (B, H, 3W)
+        else:
+            src = images.float()                                            # (B, 3, H, W)
+        out: list[torch.Tensor] = []
+        # Views of one size (the 2 globals, the n locals) are made together, as B x V
+        # samples in (image, view) order: one crop, resample and photometric pass each.
+        for group in self._groups():
+            V, view = len(group), self.views[group[0]]
+            S = view.size
+            u = self._group_uniforms(u_all, group, B)
+            crops = torch.empty(B * V, S, 3, S, device=dev, dtype=torch.float32)
+            self._crop(src, H, W, u, view, V, crops, self._box(u, view, V, sizes, H, W))
+            crops.clamp_(0.0, 1.0)  # bicubic overshoot, as PIL's rounding to uint8 clips it
+            blur_p, sol_p = self._view_probs(group, B, dev)
+            y = self._photometric(crops, u, blur_p, sol_p)                   # (B*V, 3, S, S) view
+            # back to view-major order and out_dtype in one copy
+            y = y.reshape(B, V, 3, S, S).transpose(0, 1).to(self.out_dtype).contiguous()
+            out.extend(y.unbind(0))
+        return out
+
+    @torch.no_grad()
+    def draw(self, images: torch.Tensor, seed: int, keys: torch.Tensor | None = None,
+             sizes: torch.Tensor | None = None) -> list[dict]:
+        """What __call__ draws for the same arguments, per view: {'top', 'left', 'h', 'w'
+        (the box on the image, float), 'flip', 'jitter', 'gray', 'blur', 'solarize'
+        (bool)}, each a (B,) tensor (the preview and the tests read them)."""
+        B, H, W, keys, sizes = self._check(images, keys, sizes)
+        u_all = counter_uniforms(seed, keys, self.n_views)
+        views: list[dict] = []
+        for group in self._groups():
+            V, view = len(group), self.views[group[0]]
+            u = self._group_uniforms(u_all, group, B)
+            top, left, h, w = self._box(u, view, V, sizes, H, W)
+            blur_p, sol_p = self._view_probs(group, B, images.device)
+            flags = op_flags(u, blur_p, sol_p, jitter=self.jitter, jitter_prob=self.jitter_prob,
+                             gray_prob=self.gray_prob)
+            drawn = {"top": top, "left": left, "h": h, "w": w, "flip": u[:, _FLIP] < self.flip_prob, **flags}
+            for v in range(V):
+                views.append({k: t.view(B, V)[:, v] for k, t in drawn.items()})
+        return views
+
+    def _check(self, images, keys, sizes):
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
             raise UserError(f"GpuMultiCrop wants uint8 images (B, 3, H, W), got {images.dtype} "
                             f"{tuple(images.shape)}")
@@ -381,39 +445,34 @@ class GpuMultiCrop:
             keys = torch.arange(B, device=dev)
         elif keys.shape != (B,):
             raise UserError(f"keys must have shape ({B},), got {tuple(keys.shape)}")
-        u_all = counter_uniforms(seed, keys.to(dev), self.n_views)
-        if self.interpolation == "bicubic":
-            src = images.permute(0, 2, 1, 3).reshape(B, H, 3 * W).float()   # (B, H, 3W)
-        else:
-            src = images.float()                                            # (B, 3, H, W)
-        out: list[torch.Tensor] = []
-        # Views of one size (the 2 globals, the n locals) are made together, as B x V
-        # samples in (image, view) order: one crop, resample and photometric pass each.
-        for group in ([0, 1], list(range(2, self.n_views))):
-            if not group:
-                continue
-            V, view = len(group), self.views[group[0]]
-            S = view.size
-            # a slice, not u_all[group]: a list index is a fresh host tensor, and copying it
-            # to the GPU makes the host wait for the stream
-            u = u_all[group[0]:group[-1] + 1].transpose(0, 1).reshape(B * V, _NCOL)  # (B*V, cols)
-            crops = torch.empty(B * V, S, 3, S, device=dev, dtype=torch.float32)
-            self._crop(src, H, W, u, view, V, crops)
-            crops.clamp_(0.0, 1.0)  # bicubic overshoot, as PIL's rounding to uint8 clips it
-            blur_p, sol_p = self._view_probs(group, B, dev)
-            y = self._photometric(crops, u, blur_p, sol_p)                   # (B*V, 3, S, S) view
-            # back to view-major order and out_dtype in one copy
-            y = y.reshape(B, V, 3, S, S).transpose(0, 1).to(self.out_dtype).contiguous()
-            out.extend(y.unbind(0))
-        return out
+        if sizes is not None and sizes.shape != (B, 2):
+            raise UserError(f"sizes must have shape ({B}, 2), got {tuple(sizes.shape)}")
+        return B, H, W, keys.to(dev), None if sizes is None else sizes.to(dev)
 
-    def _crop(self, src, H, W, u, view: GpuView, V: int, out: torch.Tensor) -> None:
+    def _groups(self) -> list[list[int]]:
+        return [g for g in ([0, 1], list(range(2, self.n_views))) if g]
+
+    @staticmethod
+    def _group_uniforms(u_all: torch.Tensor, group: list, B: int) -> torch.Tensor:
+        # a slice, not u_all[group]: a list index is a fresh host tensor, and copying it
+        # to the GPU makes the host wait for the stream
+        return u_all[group[0]:group[-1] + 1].transpose(0, 1).reshape(B * len(group), _NCOL)
+
+    def _box(self, u, view: GpuView, V: int, sizes: torch.Tensor | None, H: int, W: int):
+        """(top, left, h, w) of the B*V samples, each over its image's valid part."""
+        if sizes is None:
+            return crop_boxes(u, H, W, view.scale, self.ratio)
+        hw = sizes.repeat_interleave(V, dim=0).to(torch.float32)              # (B*V, 2)
+        return crop_boxes(u, hw[:, 0], hw[:, 1], view.scale, self.ratio)
+
+    def _crop(self, src, H, W, u, view: GpuView, V: int, out: torch.Tensor, box) -> None:
         """Resized crops of V views of each of the B images (u: (B*V, cols) in (image,
-        view) order), flipped where drawn, into out (B*V, S, 3, S), values 0..1."""
+        view) order) at box = (top, left, h, w) per sample, flipped where drawn, into
+        out (B*V, S, 3, S), values 0..1."""
         S = view.size
         N = u.shape[0]
         B = N // V
-        top, left, h, w = crop_boxes(u, H, W, view.scale, self.ratio)
+        top, left, h, w = box
         flip = u[:, _FLIP] < self.flip_prob
         if self.interpolation == "bicubic":
             ry = resample_matrix(top, h, H, S, gain=1 / 255)                # (B*V, S, H)
@@ -449,42 +508,3 @@ class GpuMultiCrop:
                gray_prob=self.gray_prob, sigma=self.blur_sigma, radius=self.blur_kernel // 2,
                threshold=self.solarize_threshold, normalize=self.normalize)
         return y
-
-
-# --------------------------------------------------------------------------- loader side
-
-def default_fixed_size(global_size: int) -> int:
-    """The square the loader delivers: the eval resize, global_size / 0.875 (256 at 224)."""
-    return int(round(global_size / 0.875))
-
-
-class _Uint8FixedSize:
-    def __init__(self, size: int):
-        from torchvision.transforms import v2
-        self.size = int(size)
-        self._t = v2.Compose([v2.Resize(self.size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
-                              v2.CenterCrop(self.size), v2.PILToTensor(), v2.ToPureTensor()])
-
-    def __call__(self, img) -> torch.Tensor:
-        return self._t(img)
-
-    def __repr__(self) -> str:
-        return f"uint8_fixed_size({self.size})"
-
-
-def uint8_fixed_size(size: int):
-    """Loader-side transform for GpuMultiCrop: RGB PIL image -> uint8 (3, size, size).
-
-    The shorter side is resized to `size` (PIL bicubic, antialiased) and the centre
-    square cut out, so batches stack with the default collate and cross the bus as
-    bytes. The random crops are then drawn from that square: crop scale is relative to
-    it, and the parts of a non-square image outside it are never seen (DINO crops the
-    whole image). A larger `size` keeps more detail for the small local crops at more
-    transfer and resample cost. If the files are JPEGs, torchvision.io.decode_jpeg(
-    list_of_bytes, device='cuda') could take the decode off the CPU as well (not wired:
-    the datasets here yield decoded PIL images).
-    """
-    if int(size) < 1:
-        raise UserError(f"uint8_fixed_size needs size >= 1, got {size}")
-    return _Uint8FixedSize(size)
-

@@ -23,6 +23,7 @@ import torch
 
 from resmlp.core import dist
 from resmlp.core.errors import UserError
+from resmlp.data.decode import read_encoded
 from resmlp.data.images import IMG_EXTENSIONS, find_unreadable, is_image_file, load_rgb
 from resmlp.data.paths import user_root
 
@@ -150,6 +151,9 @@ class ImageFolder(torch.utils.data.Dataset):
                 print(f"data: skipped {len(bad)} unreadable image(s) under {folder} "
                       f"(data.skip_corrupt=true)", flush=True)
         self._paths = np.array([os.fsencode(p) for p, _ in samples], dtype=bytes)
+        # True: yield the files' bytes (decode.EncodedImage) for a transform that decodes
+        # them itself (decode.serve_encoded); False: decoded RGB PIL images.
+        self.encoded = False
         self.targets = np.array([y for _, y in samples], dtype=np.int64)
         self.source = folder
 
@@ -162,7 +166,8 @@ class ImageFolder(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         path = os.fsdecode(self._paths[index])
-        img = load_rgb(path)  # UserError naming the file when it cannot be read
+        # UserError naming the file when it cannot be read (for encoded: when decoded)
+        img = read_encoded(path) if self.encoded else load_rgb(path)
         if self.transform is not None:
             img = self.transform(img)
         return img, int(self.targets[index])

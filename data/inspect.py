@@ -5,6 +5,8 @@ stored (size, channels) and what the models get (RGB, img_size, normalization), 
 files were found, and what data.subset picks. With data.check=true every image file is
 opened and decoded and the unreadable ones are listed; any unreadable file is then a
 UserError unless data.skip_corrupt=true (then they are the ones training skips).
+With data.preview=N the DINO views of N training images are drawn by the trainer's data
+path and written to crops.png and crops.json in the run folder (preview.py).
 """
 from __future__ import annotations
 
@@ -149,4 +151,11 @@ def run(cfg) -> int:
     _print_classes(classes, table)
     if data_cfg.get("check", False):
         _check(data_cfg, datasets)
+    n = data_cfg.get("preview", 0)
+    if n:
+        from resmlp.data.preview import run_preview
+        from resmlp.ssl.crop_plan import crop_plan
+        out = run_preview(cfg, n)
+        print(f"preview: the DINO views ({crop_plan(cfg).label()} px) of {n} training images drawn as "
+              f"`run.sh dino` draws them: {out['png']}, {out['json']}")
     return 0

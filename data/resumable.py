@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from resmlp.core import dist
+from resmlp.data.decode import reads_files, serve_encoded
 from resmlp.data.loader import cap_workers
 
 
@@ -99,13 +100,17 @@ class KeyedDataset(Dataset):
 
 
 def build_train_loader(dataset, transform, batch_size: int, seed: int, num_workers: int,
-                       pin_memory: bool = False, keyed: bool = False) -> tuple[DataLoader, EpochSampler]:
+                       pin_memory: bool = False, keyed: bool = False,
+                       collate_fn=None) -> tuple[DataLoader, EpochSampler]:
     """A loader over `SeededTransform(dataset)` (or `KeyedDataset` with keyed=True, for a
-    batch augmentation stage); call `sampler.set_epoch(epoch, start_batch)` every epoch."""
+    batch augmentation stage); call `sampler.set_epoch(epoch, start_batch)` every epoch.
+    A transform that reads files (resmlp.data.decode) gets the files' bytes."""
     sampler = EpochSampler(len(dataset), batch_size, seed=seed)
     num_workers = cap_workers(num_workers)
+    if reads_files(transform):
+        serve_encoded(dataset)
     wrapped = KeyedDataset(dataset, transform) if keyed else SeededTransform(dataset, transform, seed)
-    loader = DataLoader(wrapped, batch_size=batch_size,
+    loader = DataLoader(wrapped, batch_size=batch_size, collate_fn=collate_fn,
                         sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                         drop_last=True, persistent_workers=num_workers > 0,
                         prefetch_factor=4 if num_workers > 0 else None)

@@ -8,10 +8,11 @@ pass through it unchanged; `dino.local_crops` picks what the plan does about it:
     subgrid      local crops at local_size; the model takes the centred sub-block of them
     none         no local crops; the two global crops at `none_global_crops_scale`
 
-`build_views` turns a plan into the data path the trainer (and the benchmark) runs:
-with `dino.augment=device` the loader workers only decode to a uint8 square and
-GpuMultiCrop makes every view of the batch on the device; with `workers` each image's
-views are made in the loader workers (torchvision, PIL) and only copied over.
+`build_views` turns a plan into the data path the trainer (and the benchmark and
+`run.sh data data.preview=N`) runs: with `dino.augment=device` the loader workers only
+decode each whole image (resmlp.data.decode; with `data.decode=gpu` JPEGs are decoded on
+the GPU) and GpuMultiCrop makes every view of the batch on the device; with `workers`
+each image's views are made in the loader workers (torchvision, PIL) and only copied over.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from resmlp.core.errors import UserError
 
 STRATEGIES = ("resize", "interpolate", "subgrid", "none")
 AUGMENT_PLACES = ("device", "workers")
+DECODE_PLACES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -67,12 +69,14 @@ def crop_plan(cfg) -> CropPlan:
 
 @dataclass
 class DinoViews:
-    """The data path of a plan: `transform` runs per image in the loader workers;
-    `to_device(batch)` turns a loader batch into the list of crops on the device."""
+    """The data path of a plan: `transform` runs per image in the loader workers and
+    `collate` makes their batch (None: torch's default); `to_device(batch)` turns a
+    loader batch into the list of crops on the device."""
     plan: CropPlan
     transform: object
     batch_augment: object | None   # GpuMultiCrop when the views are made on the device
     seed: int
+    collate: object = None
 
     @property
     def keyed(self) -> bool:
@@ -82,19 +86,41 @@ class DinoViews:
     def to_device(self, batch, device: torch.device) -> list[torch.Tensor]:
         if self.batch_augment is None:
             return [c.to(device, non_blocking=True) for c in batch[0]]
-        images, _, keys = batch
-        return self.batch_augment(images.to(device, non_blocking=True), seed=self.seed,
-                                  keys=keys.to(device, non_blocking=True))
+        return self.batch_augment(*self._device_args(batch, device))
+
+    def draw(self, batch, device: torch.device) -> tuple[list[torch.Tensor], list[dict]]:
+        """(crops, what was drawn for each view): to_device's crops with their boxes,
+        flips and photometric ops (GpuMultiCrop.draw), for `run.sh data data.preview=N`."""
+        if self.batch_augment is None:
+            raise UserError("the crop parameters are drawn on the device path only (dino.augment=device)")
+        args = self._device_args(batch, device)
+        return self.batch_augment(*args), self.batch_augment.draw(*args)
+
+    def _device_args(self, batch, device):
+        return (batch.decode_on(device), self.seed, batch.keys.to(device, non_blocking=True),
+                batch.sizes.to(device, non_blocking=True))
 
 
-def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32) -> DinoViews:
+def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
+                device: torch.device | None = None) -> DinoViews:
     """The trainer's data path for `plan`. On the device the crops come in `out_dtype`
     (the step's autocast dtype: its first layer would cast them anyway), and the
-    augmentation is compiled when the step is (`compile=true`)."""
+    augmentation is compiled when the step is (`compile=true`). `device`: where the
+    views go (data.decode=gpu needs a CUDA one)."""
+    decode = cfg.data.get("decode", "cpu")
+    if decode not in DECODE_PLACES:
+        raise UserError(f"data.decode={decode!r} is not one of {', '.join(DECODE_PLACES)}")
     if cfg.dino.augment == "device":
-        from resmlp.data.gpu_augment import GpuMultiCrop, default_fixed_size, uint8_fixed_size
+        from resmlp.data.decode import SourceDecoder, collate_sources, source_side
+        from resmlp.data.gpu_augment import GpuMultiCrop
+        if decode == "gpu" and (device is None or torch.device(device).type != "cuda"):
+            raise UserError("data.decode=gpu decodes JPEGs with CUDA and this run has no CUDA device; "
+                            "use data.decode=cpu")
         augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=bool(cfg.compile), out_dtype=out_dtype)
-        return DinoViews(plan, uint8_fixed_size(default_fixed_size(plan.global_size)), augment, int(cfg.seed))
+        transform = SourceDecoder(source_side(cfg.data), defer_jpeg=decode == "gpu")
+        return DinoViews(plan, transform, augment, int(cfg.seed), collate_sources)
+    if decode == "gpu":
+        raise UserError("data.decode=gpu feeds the device augmentation: it needs dino.augment=device")
     from resmlp.data import build_multicrop_transform
     transform = build_multicrop_transform(cfg.data, plan.global_size, plan.local_size, plan.n_local,
                                           plan.global_scale, plan.local_scale)

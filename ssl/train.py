@@ -56,10 +56,11 @@ def train(cfg):
 
     # ---- data: the multi-crop views of the training split ----------------------------------
     plan = crop_plan(cfg)
-    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32)
+    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=device)
     dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
     loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
-                                         pin_memory=device.type == "cuda", keyed=views.keyed)
+                                         pin_memory=device.type == "cuda", keyed=views.keyed,
+                                         collate_fn=views.collate)
     ipe = sampler.batches_per_epoch
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------

@@ -31,7 +31,7 @@ def test_tiny_profile_measures_every_row(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r["row"], []).append(r)
-    assert set(by) == {"peak", "dino", "e2e", "inference", "knn", "aug"}
+    assert set(by) == {"peak", "dino", "e2e", "inference", "knn", "aug", "loader"}
     assert report["meta"]["torch"] == torch.__version__ and report["meta"]["date"]
     assert by["peak"][0]["tflops"] > 0
 
@@ -66,7 +66,11 @@ def test_tiny_profile_measures_every_row(tmp_path):
     aug = {r["impl"]: r for r in by["aug"]}
     assert len(aug) == 5 and all(r["images_per_s"] > 0 for r in aug.values())
     assert all(r["vs_lightly"] > 0 for name, r in aug.items() if name != "lightly DINOTransform" and r["crops"] != "-")
+    loader = [r for r in by["loader"] if r["impl"] != "write JPEGs"]
+    assert len(loader) == 5 and all(r["images_per_s"] > 0 and r["per_core"] for r in loader)
+    assert sum(r.get("vs_reference") is not None for r in loader) == 3
     assert report["summary"] and all(s["value"] is not None for s in report["summary"])
+    assert any(s["what"].startswith("loader side per CPU core") for s in report["summary"])
 
 
 @pytest.mark.parametrize("strategy,backbone", [("resize", "timm"), ("subgrid", "ours")])

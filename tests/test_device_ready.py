@@ -101,11 +101,12 @@ def test_step_and_augmentation_make_no_host_reads(monkeypatch):
     step = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
     aug = GpuMultiCrop.from_plan(plan, cfg.data)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
-    step(aug(images, seed=0, keys=torch.arange(8) + 80), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up: caches
+    sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1)  # what the loader sends
+    step(aug(images, seed=0, keys=torch.arange(8) + 80, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up
     counter = SyncCounter(monkeypatch)
     with FreshHostTensors() as fresh:
         for i in range(3):
-            step(aug(images, seed=0, keys=torch.arange(8) + 8 * i), 1e-4, 0.04, 0.996, 0.04, 1)
+            step(aug(images, seed=0, keys=torch.arange(8) + 8 * i, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)
     assert counter.count == 0
     assert fresh.shapes == []
     monkeypatch.undo()
@@ -126,12 +127,13 @@ def test_cuda_steady_state_never_synchronizes():
     aug = GpuMultiCrop.from_plan(plan, cfg.data, out_dtype=torch.bfloat16)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8, device=dev)
     keys = torch.arange(8, device=dev)
-    step(aug(images, seed=0, keys=keys), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up: allocations, handles
+    sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1).to(dev)
+    step(aug(images, seed=0, keys=keys, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up: allocations, handles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(3):
-            step(aug(images, seed=0, keys=keys + 8 * (i + 1)), 1e-4, 0.04, 0.996, 0.04, 1)
+            step(aug(images, seed=0, keys=keys + 8 * (i + 1), sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert step.read()["nonfinite"] == 0

@@ -131,6 +131,29 @@ def test_bad_strategy_is_a_user_error(tmp_path):
         crop_plan(tiny_cfg(tmp_path, "dino.local_size=10"))
 
 
+def test_imagenet_recipe_follows_dinos_300_epoch_run():
+    """The ResMLP paper gives DINO and 300 epochs; the rest is DINO's published 300-epoch
+    command (teacher temperature 0.04 -> 0.07 over 30 epochs, no last-layer norm) over
+    main_dino.py's defaults."""
+    from resmlp.core.schedules import linear_warmup_then_constant
+    cfg = load_config("dino", "resmlp_s12", ["data=imagenet", "data.root=/nowhere"])
+    d, o = cfg.dino, cfg.optim
+    assert (cfg.epochs, cfg.batch_size, d.norm_last_layer) == (300, 1024, False)
+    assert (d.warmup_teacher_temp, d.teacher_temp, d.warmup_teacher_temp_epochs) == (0.04, 0.07, 30)
+    assert (d.momentum_teacher, d.out_dim, d.n_local_crops, d.local_size, d.freeze_last_layer) == (0.996, 65536, 8, 96, 1)
+    assert (tuple(d.global_crops_scale), tuple(d.local_crops_scale)) == ((0.4, 1.0), (0.05, 0.4))
+    assert (o.lr, o.min_lr, o.warmup_epochs, o.weight_decay, o.weight_decay_end, o.clip_grad) == \
+        (0.0005, 1e-6, 10, 0.04, 0.4, 3.0)
+    assert cfg.model.drop_path_rate == 0.1 and d.augment == "device"
+    temps = linear_warmup_then_constant(d.warmup_teacher_temp, d.teacher_temp, d.warmup_teacher_temp_epochs,
+                                        cfg.epochs, 10)
+    assert temps[0] == 0.04 and temps[150] == pytest.approx(0.055) and (temps[300:] == 0.07).all()
+    lines = (ROOT / "configs" / "recipe" / "dino_imagenet.yaml").read_text().splitlines()
+    for key in ("epochs:", "teacher_temp: 0.07", "warmup_teacher_temp_epochs: 30", "norm_last_layer: false"):
+        i = next(i for i, ln in enumerate(lines) if ln.strip().startswith(key))
+        assert "DINO" in lines[i] or "DINO" in lines[i - 1], key  # each value says where it comes from
+
+
 # ---- end to end -------------------------------------------------------------------------
 @needs_fmnist
 @pytest.mark.parametrize("strategy,augment", [("resize", "device"), ("interpolate", "device"),

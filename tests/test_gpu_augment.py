@@ -13,8 +13,9 @@ from torchvision.transforms.v2 import functional as TF
 from resmlp.core.errors import UserError
 from resmlp.data import build_multicrop_transform
 from resmlp.data.resumable import KeyedDataset
+from resmlp.data.decode import Source, SourceDecoder, collate_sources
 from resmlp.data.gpu_augment import (GpuMultiCrop, _blend_step, adjust_hue, augment_seed,
-                                     blur_matrix, counter_uniforms, crop_boxes, uint8_fixed_size)
+                                     blur_matrix, counter_uniforms, crop_boxes)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 PLAIN = dict(jitter_prob=0.0, gray_prob=0.0, blur_probs=(0.0, 0.0, 0.0), solarize_prob=0.0, flip_prob=0.0)
@@ -178,23 +179,28 @@ def test_blur_matrix_is_torchvisions_gaussian_blur():
 
 
 def test_loader_side_transform_and_keyed_dataset():
-    t = uint8_fixed_size(64)
-    out = t(Image.new("RGB", (300, 200), (10, 200, 30)))
-    assert out.dtype == torch.uint8 and tuple(out.shape) == (3, 64, 64) and type(out) is torch.Tensor
-    assert out[:, 32, 32].tolist() == [10, 200, 30]
+    t = SourceDecoder(64)
+    wide = t(Image.new("RGB", (300, 200), (10, 200, 30)))  # shrunk to fit, never cropped
+    assert type(wide) is Source and wide.size == (43, 64) and wide.file_size == (200, 300)
+    assert wide.pixels.dtype == torch.uint8 and tuple(wide.pixels.shape) == (3, 43, 64)
+    assert wide.pixels[:, 21, 32].tolist() == [10, 200, 30]
 
     class Two(torch.utils.data.Dataset):
         def __len__(self):
             return 2
 
         def __getitem__(self, i):
-            return Image.new("RGB", (80, 60), (i, i, i)), i
+            return Image.new("RGB", (40 + 20 * i, 30), (i, i, i)), i
 
     ds = KeyedDataset(Two(), t)
-    img, label, key = ds[5]  # epoch 2, index 1
-    assert label == 1 and key == 5 and img[0, 0, 0].item() == 1
+    src, label, key = ds[5]  # epoch 2, index 1
+    assert label == 1 and key == 5 and src.size == (30, 60) and src.pixels[0, 0, 0].item() == 1
+    batch = collate_sources([ds[2], ds[3]])
+    assert tuple(batch.images.shape) == (2, 3, 32, 64) and batch.sizes.tolist() == [[30, 40], [30, 60]]
+    assert batch.keys.tolist() == [2, 3] and batch.labels.tolist() == [0, 1]
+    assert batch.images[0, :, :, 40:].eq(0).all() and batch.images[0, :, 30:].eq(0).all()
     with pytest.raises(UserError):
-        uint8_fixed_size(0)
+        SourceDecoder(1)
 
 
 def test_bad_inputs_are_user_errors():
