@@ -9,7 +9,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 
-from resmlp.core.errors import RunFailed, UserError
+from resmlp.core.errors import PREEMPTED_EXIT, Preempted, RunFailed, UserError
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"command {argv[0]!r} is not available in this version") from None
             raise
         return int(run(cfg) or 0)
+    except Preempted as e:
+        if str(e):  # rank 0's; the other ranks stop quietly
+            print(e, file=sys.stderr)
+        return PREEMPTED_EXIT
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
