@@ -129,6 +129,15 @@ def build(argv: list[str]):
     return cmd, load_config(name, model, [*extra, *rest], base=base)
 
 
+def launch(cfg, argv: list[str]) -> int:
+    """launcher=slurm: submit the command line as a job instead of running it here."""
+    if cfg.launcher != "slurm":
+        raise UserError(f"launcher={cfg.launcher!r} is not one of local, slurm")
+    from resmlp.core.slurm import submit
+    submit(cfg, argv)
+    return 0
+
+
 def unwrap_user_error(e: BaseException) -> UserError | None:
     """A UserError raised in a DataLoader worker arrives re-raised as another type."""
     seen = set()
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if cmd is None:
             print(usage())
             return 0
+        if cfg.launcher != "local":
+            return launch(cfg, argv)
         module, func = cmd.target.split(":")
         try:
             run = getattr(importlib.import_module(module), func)

@@ -242,17 +242,20 @@ def _check_type(key: str, before, after) -> None:
 
 
 def _demo_wanted(cfg: DictConfig, overrides: list[str]) -> bool:
-    """demo=auto means: the short CPU demo when this machine has no GPU."""
-    value = cfg.demo
+    """demo=auto means: the short CPU demo when this machine has no GPU and runs the command
+    itself (launcher=slurm submits it to GPU nodes, which decide there)."""
+    value, launcher = cfg.demo, cfg.get("launcher", "local")
     for o in overrides:
         if _key_of(o) == "demo":
             value = o.split("=", 1)[1]
+        if _key_of(o) == "launcher":
+            launcher = o.split("=", 1)[1]
     value = str(value).lower()
     if value not in ("auto", "true", "false"):
         raise UserError(f"demo={value!r} is not one of auto, true, false")
     if value == "auto":
         import torch
-        return not torch.cuda.is_available()
+        return launcher == "local" and not torch.cuda.is_available()
     return value == "true"
 
 
