@@ -53,6 +53,7 @@ def usage() -> str:
               "  bash run.sh dino resmlp_s24 data=imagenet data.root=/data/imagenet",
               "  bash run.sh knn runs/dino_resmlp_s12_fashion_mnist k=10,20 T=0.07",
               "  NPROC_PER_NODE=8 bash run.sh dino resmlp_s12 data=imagenet data.root=...",
+              "  bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 slurm.partition=gpu   # a SLURM job",
               "config files: configs/ (defaults.yaml, method/, data/, recipe/)"]
     return "\n".join(lines)
 

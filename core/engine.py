@@ -114,7 +114,7 @@ class Run:
     """One run's surroundings. Make it first thing in a trainer:
 
         run = Run(cfg)                       # process group, device, seed; checks the run dir
-        start_it, results = run.restore(...) # opens the run dir, or None, or the checkpoint to continue from
+        start_it, results = run.restore(**state)  # opens the run dir; loads the checkpoint to continue from
         with run.autocast(): loss = ...
         run.save({...}); run.log({...}, step); run.finish(results)
 
@@ -213,12 +213,11 @@ class Run:
         return True
 
     def _latest_checkpoint(self, quiet: bool = False) -> tuple[dict, Path]:
-        """The newest readable of checkpoint.pth and checkpoint_prev.pth, and its path; a
-        latest one that cannot be read (cut short by a full disk, damaged) falls back to
-        the previous with a warning."""
-        found = [p for p in (self.ckpt_path, self.prev_path) if p.exists()]
-        problems = []
-        for path in found:
+        """The newest readable of checkpoint.pth and checkpoint_prev.pth, and its path. A
+        latest one that is missing (a kill between a save's two renames) or cannot be read
+        (cut short by a full disk, damaged) falls back to the previous with a warning."""
+        problems = [] if self.ckpt_path.exists() else [f"{self.ckpt_path} is missing"]
+        for path in (p for p in (self.ckpt_path, self.prev_path) if p.exists()):
             try:
                 state = load_checkpoint(path, map_location="cpu")
                 if "iteration" not in state or "rng" not in state:
@@ -229,8 +228,6 @@ class Run:
             if problems and not quiet:
                 self.print(f"warning: {problems[0]}; resuming from the previous checkpoint {path} instead")
             return state, path
-        if not found:
-            problems.append(f"{self.ckpt_path} is gone")
         raise UserError(f"no readable checkpoint in {self.dir} ({'; '.join(problems)}); move the "
                         "checkpoint files away to start again, or use out=<another dir>")
 
@@ -397,7 +394,7 @@ class Cadence:
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
-        self.saved_at = start_it if start_it else None
+        self.saved_at = start_it  # the iteration the checkpoint on disk holds
         self.kill_at = int(os.environ.get(KILL_AT_ENV, "0"))
         self.interval_started, self.images_since = time.time(), 0
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from resmlp.core import preempt
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 
-TRAINERS = ("dino", "supervised", "distill", "finetune")  # the commands that stop cleanly on a signal
+TRAINERS = ("dino", "supervised", "distill", "finetune", "compare")  # the commands that stop cleanly on a signal
 
 
 def minutes(value) -> int:
