@@ -5,8 +5,9 @@ since the last checkpoint.
 The handler only sets a flag; the training loop asks `agreed()` once per iteration (and
 after each checkpoint), which all-reduces the flag so that every rank stops at the same
 iteration, even when the signal reached only some of them. Cadence (core/engine.py) then
-saves a checkpoint at that iteration and raises `Preempted`; the CLI prints one line and
-exits with PREEMPTED_EXIT, and `resume=auto` continues from the saved iteration.
+saves a checkpoint at that iteration and raises `Preempted` (core/errors.py); the CLI
+prints one line and exits with PREEMPTED_EXIT, and `resume=auto` continues from the saved
+iteration.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import signal
 import threading
 
 from resmlp.core import dist
-from resmlp.core.errors import PREEMPTED_EXIT, Preempted  # noqa: F401 - re-exported for callers
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -58,6 +58,11 @@ def requested() -> bool:
 def received() -> str | None:
     """The name of the first stop signal this process received, if any."""
     return signal.Signals(_received[0]).name if _received else None
+
+
+def got(signum: int) -> bool:
+    """Whether this process received `signum` (in the last watch() block)."""
+    return signum in _received
 
 
 def agreed() -> bool:

@@ -10,7 +10,8 @@ from SLURM's. Ahead of the time limit SLURM sends submitit's signal (SIGUSR2,
 `slurm.signal_delay_s` before it); a trainer treats it as it treats SIGTERM and SIGUSR1
 (core.preempt): every rank stops after the current iteration with a checkpoint of it.
 Then rank 0 hands the signal to submitit, which asks `Job.checkpoint` for the job to
-run next (the same arguments with resume=auto) and requeues it. `slurm.cluster=local`
+run next (the same arguments with resume=auto) and requeues it. A preemption comes as
+SIGTERM: the run stops the same way, and SLURM requeues the job (sbatch --requeue). `slurm.cluster=local`
 runs the job with submitit's local executor on this machine instead, to try it out.
 """
 from __future__ import annotations
@@ -119,9 +120,10 @@ class Job:
         with preempt.watch(extra=(requeue_signal,)) if trainer else contextlib.nullcontext():
             code = cli.main(self.argv)
         if code == PREEMPTED_EXIT:
-            if env.global_rank == 0:
-                # submitit's handler is back in place: it calls self.checkpoint() and requeues
-                # the job (and exits), or says why it will not
+            if env.global_rank == 0 and preempt.got(requeue_signal):
+                # The time limit is near. submitit's handler is back in place: it calls
+                # self.checkpoint() and requeues the job (and exits), or says why it will not.
+                # (A SIGTERM is a preemption, which SLURM requeues itself, or a scancel.)
                 signal.raise_signal(requeue_signal)
             sys.exit(code)
         if code:
