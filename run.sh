@@ -7,6 +7,9 @@
 # cluster's own torch); else ./.venv, created on first use and re-installed only when
 # requirements.txt or pyproject.toml change.
 # Several GPUs or nodes: NPROC_PER_NODE=8 [NNODES=2 NODE_RANK=0 MASTER_ADDR=... MASTER_PORT=...]
+#   or, with no fixed master (torchrun's c10d rendezvous, the same command on every node):
+#   NPROC_PER_NODE=8 NNODES=2 RDZV_ENDPOINT=host:port [RDZV_ID=<job id>]
+# A SLURM job instead: bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 ... (README)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
@@ -107,6 +110,12 @@ if have and "device=cpu" not in args and want > have:
     sys.exit(f"run.sh: NPROC_PER_NODE={want} but this node has {have} GPU(s): start at most {have} "
              "processes per node (one GPU each), or pass device=cpu")
 PYEOF
+fi
+if { [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; } && [ -n "${RDZV_ENDPOINT:-}" ]; then
+  # Ranks are handed out as the nodes arrive at host:port (one of them, or any reachable
+  # host, serves the rendezvous); RDZV_ID keeps two jobs on one endpoint apart.
+  exec "$PY" -m torch.distributed.run --nproc_per_node="$NPROC" --nnodes="$NNODES" \
+    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-resmlp}" -m resmlp.core.cli "$@"
 fi
 if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
   exec "$PY" -m torch.distributed.run --nproc_per_node="$NPROC" --nnodes="$NNODES" \

@@ -9,7 +9,8 @@ A project checkpoint is one torch file (`<run dir>/checkpoint.pth`) holding a di
     epoch, iteration, optimizer, scaler, rng, ...   (what resume needs)
 The `teacher`/`student` layout is the official DINO one, so DINO's tools read ours and
 ours read theirs. Writes are atomic (temp file + rename): a run killed mid-write keeps
-its previous checkpoint.
+its previous checkpoint. A run directory also keeps the checkpoint before the latest
+(`checkpoint_prev.pth`), for when the latest cannot be read.
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from resmlp.core.errors import UserError
 
 FORMAT = "resmlp-ssl"
 CHECKPOINT_NAME = "checkpoint.pth"
+PREVIOUS_NAME = "checkpoint_prev.pth"
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb"):
+def atomic_write(path: str | os.PathLike, mode: str = "wb", previous: str | os.PathLike | None = None):
     """Open a temp file beside `path`; on success it replaces `path` in one rename, so a
-    reader (or a run killed mid-write) never sees half a file."""
+    reader (or a run killed mid-write) never sees half a file. With `previous`, the old
+    `path` is first renamed to it (after the new file is complete on disk)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -40,6 +43,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if previous is not None and path.exists():
+            os.replace(path, previous)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -47,9 +52,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
         raise
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:
-    """Write `state` (plus the format tag) to `path` atomically."""
-    with atomic_write(path) as f:
+def save_checkpoint(path: str | os.PathLike, state: dict, previous: str | os.PathLike | None = None) -> Path:
+    """Write `state` (plus the format tag) to `path` atomically; with `previous`, the
+    checkpoint it replaces is kept there."""
+    with atomic_write(path, previous=previous) as f:
         torch.save({"format": FORMAT, **state}, f)
     return Path(path)
 

@@ -9,7 +9,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 
-from resmlp.core.errors import RunFailed, UserError
+from resmlp.core.errors import PREEMPTED_EXIT, Preempted, RunFailed, UserError
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ def usage() -> str:
               "  bash run.sh dino resmlp_s24 data=imagenet data.root=/data/imagenet",
               "  bash run.sh knn runs/dino_resmlp_s12_fashion_mnist k=10,20 T=0.07",
               "  NPROC_PER_NODE=8 bash run.sh dino resmlp_s12 data=imagenet data.root=...",
+              "  bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 slurm.partition=gpu   # a SLURM job",
               "config files: configs/ (defaults.yaml, method/, data/, recipe/)"]
     return "\n".join(lines)
 
@@ -129,6 +130,15 @@ def build(argv: list[str]):
     return cmd, load_config(name, model, [*extra, *rest], base=base)
 
 
+def launch(cfg, argv: list[str]) -> int:
+    """launcher=slurm: submit the command line as a job instead of running it here."""
+    if cfg.launcher != "slurm":
+        raise UserError(f"launcher={cfg.launcher!r} is not one of local, slurm")
+    from resmlp.core.slurm import submit
+    submit(cfg, argv)
+    return 0
+
+
 def unwrap_user_error(e: BaseException) -> UserError | None:
     """A UserError raised in a DataLoader worker arrives re-raised as another type."""
     seen = set()
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if cmd is None:
             print(usage())
             return 0
+        if cfg.launcher != "local":
+            return launch(cfg, argv)
         module, func = cmd.target.split(":")
         try:
             run = getattr(importlib.import_module(module), func)
@@ -158,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"command {argv[0]!r} is not available in this version") from None
             raise
         return int(run(cfg) or 0)
+    except Preempted as e:
+        if str(e):  # rank 0's; the other ranks stop quietly
+            print(e, file=sys.stderr)
+        return PREEMPTED_EXIT
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

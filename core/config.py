@@ -12,6 +12,7 @@ The merged config is in struct mode: a misspelled key is an error that names it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -138,7 +139,91 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     except OmegaConfBaseException as e:
         raise UserError(f"config error: {str(e).splitlines()[0]}") from None
     _check_missing(cfg)
+    check_values(cfg)
     return cfg
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The numbers a key may hold: low..high, ends included unless marked open."""
+    low: float
+    high: float | None = None
+    whole: bool = False
+    open_low: bool = False
+    open_high: bool = False
+    null: bool = False  # null (the key's "off" or "automatic") is allowed
+
+    def allows(self, v) -> bool:
+        if v is None:
+            return self.null
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.whole and not isinstance(v, int)):
+            return False
+        above = v > self.low if self.open_low else v >= self.low
+        below = self.high is None or (v < self.high if self.open_high else v <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        kind = "a whole number" if self.whole else "a number"
+        low = f"{'>' if self.open_low else '>='} {self.low:g}"
+        if self.high is None:
+            text = f"{kind} {low}"
+        else:
+            text = f"{kind} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+        return text + (" (or null)" if self.null else "")
+
+
+COUNT, SOME, SIZE = Limit(0, whole=True), Limit(1, whole=True), Limit(1, whole=True, null=True)
+POSITIVE, NONNEGATIVE, FRACTION = Limit(0, open_low=True), Limit(0), Limit(0, 1)
+BELOW_ONE = Limit(0, 1, open_high=True)
+
+# Every numeric key a user may set, and what it must be: checked once the config is built,
+# so that a bad value is one line before anything runs (not a traceback deep inside torch).
+# Lists (knn.k) are checked element by element. A key a command does not have is skipped.
+LIMITS = {
+    "epochs": SOME, "batch_size": SOME, "seed": COUNT, "num_workers": COUNT, "log_every": SOME,
+    "ckpt_every": COUNT, "eval_every": COUNT, "eval_batch_size": SOME, "eval_limit": SIZE,
+    "model.patch_size": SOME, "model.dim": SIZE, "model.depth": SIZE, "model.drop_path_rate": BELOW_ONE,
+    "data.img_size": SOME, "data.local_size": SOME, "data.subset": SIZE,
+    "data.crop_ratio": Limit(0, 1, open_low=True),
+    "knn.k": SOME, "knn.temperature": POSITIVE, "knn.chunk_size": SIZE, "features.batch_size": SOME,
+    "optim.lr": POSITIVE, "optim.min_lr": NONNEGATIVE, "optim.warmup_epochs": NONNEGATIVE,
+    "optim.warmup_lr": NONNEGATIVE, "optim.weight_decay": NONNEGATIVE, "optim.weight_decay_end": NONNEGATIVE,
+    "optim.clip_grad": NONNEGATIVE, "optim.lr_batch": SOME, "optim.momentum": FRACTION,
+    "dino.out_dim": SOME, "dino.hidden_dim": SOME, "dino.bottleneck_dim": SOME, "dino.n_local_crops": COUNT,
+    "dino.local_size": SOME, "dino.student_temp": POSITIVE, "dino.teacher_temp": POSITIVE,
+    "dino.warmup_teacher_temp": POSITIVE, "dino.warmup_teacher_temp_epochs": COUNT,
+    "dino.freeze_last_layer": NONNEGATIVE, "dino.momentum_teacher": FRACTION, "dino.center_momentum": FRACTION,
+    "aug.repeats": SOME, "aug.hflip": FRACTION, "aug.color_jitter": NONNEGATIVE, "aug.re_prob": FRACTION,
+    "aug.re_count": COUNT, "aug.smoothing": BELOW_ONE, "aug.mixup": NONNEGATIVE, "aug.cutmix": NONNEGATIVE,
+    "aug.mixup_prob": FRACTION, "aug.mixup_switch_prob": FRACTION, "ema.decay": FRACTION,
+    "finetune.layer_decay": Limit(0, 1, open_low=True), "distill.alpha": FRACTION, "distill.tau": POSITIVE,
+    "linear.epochs": SOME, "linear.batch_size": SOME, "linear.n_last_blocks": SOME,
+    "linear.weight_decay": NONNEGATIVE, "linear.momentum": FRACTION, "viz.threshold": FRACTION, "viz.dpi": SOME,
+    **{f"compare.epochs.{k}": SOME for k in ("teacher", "supervised", "distill", "dino", "linear", "finetune")},
+    "slurm.nodes": SOME, "slurm.gpus_per_node": COUNT, "slurm.tasks_per_node": SIZE,
+    "slurm.cpus_per_task": SIZE, "slurm.mem_gb": Limit(0, open_low=True, null=True),
+    "slurm.signal_delay_s": SOME, "slurm.max_timeouts": COUNT,
+}
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Numbers within their LIMITS, and `out` not an existing file; UserError otherwise."""
+    for key, limit in LIMITS.items():
+        value = OmegaConf.select(cfg, key, default="<missing>")
+        if isinstance(value, str) and value == "<missing>":
+            continue
+        many = isinstance(value, (list, ListConfig))
+        for v in (list(value) if many else [value]):
+            if not limit.allows(v):
+                raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
+                                f"{limit.describe()}")
+    out = OmegaConf.select(cfg, "out", default=None)
+    if out and Path(str(out)).expanduser().exists() and not Path(str(out)).expanduser().is_dir():
+        raise UserError(f"out={out} is an existing file; out= names a directory for the run's outputs")
+
+
+def _show(value) -> str:
+    return str(list(value)) if isinstance(value, ListConfig) else str(value)
 
 
 def _check_type(key: str, before, after) -> None:
@@ -157,17 +242,20 @@ def _check_type(key: str, before, after) -> None:
 
 
 def _demo_wanted(cfg: DictConfig, overrides: list[str]) -> bool:
-    """demo=auto means: the short CPU demo when this machine has no GPU."""
-    value = cfg.demo
+    """demo=auto means: the short CPU demo when this machine has no GPU and runs the command
+    itself (launcher=slurm submits it to GPU nodes, which decide there)."""
+    value, launcher = cfg.demo, cfg.get("launcher", "local")
     for o in overrides:
         if _key_of(o) == "demo":
             value = o.split("=", 1)[1]
+        if _key_of(o) == "launcher":
+            launcher = o.split("=", 1)[1]
     value = str(value).lower()
     if value not in ("auto", "true", "false"):
         raise UserError(f"demo={value!r} is not one of auto, true, false")
     if value == "auto":
         import torch
-        return not torch.cuda.is_available()
+        return launcher == "local" and not torch.cuda.is_available()
     return value == "true"
 
 

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from resmlp.core.errors import UserError
 
+_host_group = None  # a gloo group beside NCCL's, for host-side flags (any_rank)
+
 
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -54,17 +56,22 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 def setup(requested_device: str = "auto") -> torch.device:
     """Join the torchrun process group if there is one; return this process's device."""
+    global _host_group
     device = pick_device(requested_device)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not is_dist():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
+        # Host-side flags go over gloo: an NCCL all-reduce would make the host wait for the GPU.
+        _host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     return device
 
 
 def cleanup() -> None:
+    global _host_group
     if is_dist():
         dist.destroy_process_group()
+    _host_group = None
 
 
 def barrier() -> None:
@@ -84,6 +91,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if is_dist():
         dist.all_reduce(t)
     return t
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any; a host-side collective that does not
+    wait for the GPU."""
+    if not is_dist():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group)
+    return bool(t.item())
 
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:

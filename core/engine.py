@@ -4,13 +4,15 @@ logging (stdout, log.jsonl, TensorBoard), checkpoints and resume, and the loop's
 DINO, supervised training, distillation and fine-tuning all open a `Run` and keep only
 their own loop, which they write top to bottom with the shared pieces:
 
-    run = Run(cfg)
-    start_it, results = run.restore(model=model, optimizer=optimizer, ...)
-    cadence = Cadence(run, iterations_per_epoch, start_it)
+    run = Run(cfg)                       # checks the run dir; creates nothing yet
+    state = {"model": model, "optimizer": optimizer, ...}
+    start_it, results = run.restore(**state)    # opens the run dir (inputs are checked by now)
+    cadence = Cadence(run, iterations_per_epoch, start_it, results, state)
     for each batch:  ...step...; cadence.tally.add(loss, **stats)
         if cadence.log_due(it): values = cadence.read(it)        # the sync point
-        if cadence.checkpoint_due(it): cadence.checkpoint(it, results, model=model, ...)
-        cadence.after_iteration(it)
+        if cadence.checkpoint_due(it): cadence.checkpoint(it)
+        cadence.after_iteration(it)       # a SIGTERM / SIGUSR1 stops the run here, saved
+    at each epoch end: cadence.checkpoint(it)
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from resmlp.core import dist
-from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from resmlp.core import dist, preempt
+from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, load_checkpoint, rng_state, save_checkpoint,
+                                    set_rng_state)
 from resmlp.core.config import save_config, to_dict
-from resmlp.core.errors import RunFailed, UserError
+from resmlp.core.errors import Preempted, RunFailed, UserError
+from resmlp.core.lock import RunLock, release_all
 
 # Fault injection for the resume tests: the process kills itself after this iteration.
 KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
@@ -109,12 +113,16 @@ class JsonlLogger:
 
 
 class Run:
-    """One run's surroundings. Open it first thing in a trainer:
+    """One run's surroundings. Make it first thing in a trainer:
 
-        run = Run(cfg)                       # process group, device, seed, run dir, logs
-        state = run.resume_state()           # None, or the checkpoint to continue from
+        run = Run(cfg)                       # process group, device, seed; checks the run dir
+        start_it, results = run.restore(**state)  # opens the run dir; loads the checkpoint to continue from
         with run.autocast(): loss = ...
         run.save({...}); run.log({...}, step); run.finish(results)
+
+    The run directory (its lock, config.yaml, logs) is created only by `open()`, which
+    `restore` calls once the trainer has built its data and networks: a command that
+    fails its checks leaves nothing behind.
     """
 
     def __init__(self, cfg: DictConfig, check_dir: bool = True):
@@ -139,13 +147,11 @@ class Run:
         self.amp_dtype, self.use_scaler = self._precision(cfg.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.use_scaler)
         self.dir = run_dir(cfg)
-        self.ckpt_path = self.dir / CHECKPOINT_NAME
+        self.ckpt_path, self.prev_path = self.dir / CHECKPOINT_NAME, self.dir / PREVIOUS_NAME
+        self.lock = RunLock(self.dir)
         self._checked_resume = self._check_run_dir() if check_dir else None
-        if self.is_main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.dir / "config.yaml")
-        dist.barrier()
-        self.logger = JsonlLogger(self.dir if self.is_main else None)
+        self._agree(self.lock.problem)  # a live run holds the directory: stop before any work
+        self.logger: JsonlLogger | None = None
         self.started = time.time()
         self.interactive = sys.stderr.isatty() and self.is_main
 
@@ -161,10 +167,39 @@ class Run:
             raise UserError("precision=fp16 needs a GPU; use precision=fp32 or bf16 on the CPU")
         return dtype, scaler
 
+    def _agree(self, check) -> None:
+        """Rank 0 runs `check` (None, or what is wrong); every rank raises its UserError."""
+        problem = check() if self.is_main else None
+        problem = dist.broadcast_object(problem)
+        if problem:
+            raise UserError(problem)
+
+    def open(self) -> None:
+        """Create the run directory, take its lock and write config.yaml (rank 0), and open
+        the logs. Called by `restore`, after the trainer's inputs have passed their checks."""
+        if self.logger is not None:
+            return
+
+        def take() -> str | None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                warning = self.lock.acquire()
+            except UserError as e:
+                return str(e)
+            except OSError as e:
+                return f"cannot create the run directory {self.dir} ({e.strerror}); choose another out="
+            if warning:
+                self.print(warning)
+            save_config(self.cfg, self.dir / "config.yaml")
+            return None
+
+        self._agree(take)
+        self.logger = JsonlLogger(self.dir if self.is_main else None)
+
     def _check_run_dir(self):
         """Refuse to resume (or overwrite) a run dir that holds another model or data."""
         saved_cfg = self.dir / "config.yaml"
-        if not self.ckpt_path.exists():
+        if not (self.ckpt_path.exists() or self.prev_path.exists()):
             return None
         if self.cfg.resume == "never":
             raise UserError(f"{self.dir} already holds a checkpoint; pass resume=auto to continue it, "
@@ -172,26 +207,46 @@ class Run:
         if self.cfg.resume != "auto":
             raise UserError(f"resume={self.cfg.resume!r} is not one of auto, never")
         saved = OmegaConf.to_container(OmegaConf.load(saved_cfg)) if saved_cfg.exists() else \
-            load_checkpoint(self.ckpt_path).get("config", {})
+            self._latest_checkpoint(quiet=True)[0].get("config", {})
         diffs = config_differences(saved, to_dict(self.cfg))
         if diffs:
             raise UserError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:4])}); "
                             "use out=<new dir>, or the old values to resume")
         return True
 
+    def _latest_checkpoint(self, quiet: bool = False) -> tuple[dict, Path]:
+        """The newest readable of checkpoint.pth and checkpoint_prev.pth, and its path. A
+        latest one that is missing (a kill between a save's two renames) or cannot be read
+        (cut short by a full disk, damaged) falls back to the previous with a warning."""
+        problems = [] if self.ckpt_path.exists() else [f"{self.ckpt_path} is missing"]
+        for path in (p for p in (self.ckpt_path, self.prev_path) if p.exists()):
+            try:
+                state = load_checkpoint(path, map_location="cpu")
+                if "iteration" not in state or "rng" not in state:
+                    raise UserError(f"{path} is not a run checkpoint (no iteration or RNG state)")
+            except UserError as e:
+                problems.append(str(e))
+                continue
+            if problems and not quiet:
+                self.print(f"warning: {problems[0]}; resuming from the previous checkpoint {path} instead")
+            return state, path
+        raise UserError(f"no readable checkpoint in {self.dir} ({'; '.join(problems)}); move the "
+                        "checkpoint files away to start again, or use out=<another dir>")
+
     def resume_state(self) -> dict | None:
         """The checkpoint to continue from (resume=auto and one exists), else None."""
         if not self._checked_resume:
             return None
-        state = load_checkpoint(self.ckpt_path, map_location="cpu")
-        self.print(f"resuming from {self.ckpt_path} (epoch {state.get('epoch')}, "
-                   f"iteration {state.get('iteration')})")
+        state, path = self._latest_checkpoint()
+        self.print(f"resuming from {path} (epoch {state.get('epoch')}, iteration {state.get('iteration')})")
         return state
 
     def restore(self, **state) -> tuple[int, dict]:
-        """Resume: load the checkpoint's entry of each name into the object given for it
-        (anything with load_state_dict; a tensor is copied into), and the RNG states.
-        Returns (iteration to start at, the saved results); (0, {}) for a fresh run."""
+        """Open the run dir; on resume, load the checkpoint's entry of each name into the
+        object given for it (anything with load_state_dict; a tensor is copied into), and
+        the RNG states. Returns (iteration to start at, the saved results); (0, {}) for a
+        fresh run."""
+        self.open()
         saved = self.resume_state()
         if saved is None:
             return 0, {}
@@ -216,6 +271,7 @@ class Run:
             print(*args, flush=True)
 
     def log(self, record: dict, step: int | None = None) -> None:
+        self.open()
         self.logger.write(record, step)
 
     def check_finite(self, loss: torch.Tensor, where: str) -> None:
@@ -228,9 +284,12 @@ class Run:
                         "temperature, or use precision=fp32, then run again to resume")
 
     def save(self, state: dict, name: str = CHECKPOINT_NAME) -> None:
+        """Write a checkpoint atomically (rank 0); the latest one's predecessor is kept as
+        checkpoint_prev.pth."""
+        self.open()
         if self.is_main:
-            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
-                                              **state})
+            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg), **state},
+                            previous=self.prev_path if name == CHECKPOINT_NAME else None)
         dist.barrier()
 
     def memory_mb(self) -> dict:
@@ -248,10 +307,12 @@ class Run:
     def finish(self, results: dict) -> dict:
         results = {"wall_time_s": round(time.time() - self.started, 1),
                    "device": device_name(self.device), "world_size": self.world_size, **results}
+        self.open()
         if self.is_main:
             with open(self.dir / "results.json", "w") as f:
                 json.dump(results, f, indent=2)
         self.logger.close()
+        self.lock.release()
         return results
 
 
@@ -320,16 +381,22 @@ class Cadence:
     log lines every cfg.log_every iterations and at the last one; extra checkpoints every
     cfg.ckpt_every iterations inside an epoch (and always at epoch ends); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
-    A read that finds a non-finite loss stops the run before anything is saved.
+    A read that finds a non-finite loss stops the run before anything is saved. A stop
+    signal (core.preempt) ends the run after the current iteration with a checkpoint of
+    it. `state` names what a checkpoint holds (objects with a state_dict, tensors, plain
+    values) and `results` the trainer's running results; both are saved as they are then.
     """
 
-    def __init__(self, run: "Run", iterations_per_epoch: int, start_it: int, tally: DeviceTally | None = None):
+    def __init__(self, run: "Run", iterations_per_epoch: int, start_it: int, results: dict, state: dict,
+                 tally: DeviceTally | None = None):
         cfg = run.cfg
         self.run, self.ipe, self.total = run, iterations_per_epoch, cfg.epochs * iterations_per_epoch
+        self.results, self.state = results, state
         self.log_every, self.ckpt_every, self.eval_every = int(cfg.log_every), int(cfg.ckpt_every), int(cfg.eval_every)
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
+        self.saved_at = start_it  # the iteration the checkpoint on disk holds
         self.kill_at = int(os.environ.get(KILL_AT_ENV, "0"))
         self.interval_started, self.images_since = time.time(), 0
 
@@ -368,16 +435,37 @@ class Cadence:
     def count(self, images: int) -> None:
         self.images_since += images
 
-    def checkpoint(self, it: int, results: dict, **state) -> None:
+    def checkpoint(self, it: int) -> None:
+        """Save, then stop here if a stop signal came (see stop_if_signalled)."""
+        self._save(it)
+        self.stop_if_signalled(it)
+
+    def _save(self, it: int) -> None:
         """read() (never save weights a non-finite loss may have reached), then save the
-        state_dict of every object given (tensors as they are), the position and the RNGs."""
+        state_dict of every object in `state` (tensors as they are), the position and the RNGs."""
         self.read(it)
-        self.run.save({**{k: _state_of(v) for k, v in state.items()}, "epoch": it // self.ipe, "iteration": it,
-                       "rng": rng_state(), "results": results})
+        self.run.save({**{k: _state_of(v) for k, v in self.state.items()}, "epoch": it // self.ipe,
+                       "iteration": it, "rng": rng_state(), "results": self.results})
+        self.saved_at = it
 
     def after_iteration(self, it: int) -> None:
         if self.kill_at and it == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.saved_at != it:  # checkpoint(it) has just asked
+            self.stop_if_signalled(it)
+
+    def stop_if_signalled(self, it: int) -> None:
+        """If any rank received SIGTERM / SIGUSR1: every rank stops after iteration `it`
+        with a checkpoint of it (one tiny host-side all-reduce; every rank calls this at the
+        same iterations)."""
+        if not preempt.agreed():
+            return
+        if self.saved_at != it:
+            self._save(it)
+        why = preempt.received() or "a stop signal to another process"
+        raise Preempted(f"stopped by {why} after iteration {it} of {self.total}, with a checkpoint of it in "
+                        f"{self.run.dir}: run the same command again (resume=auto) to continue"
+                        if self.run.is_main else "")
 
 
 def _state_of(obj):
@@ -389,14 +477,18 @@ def _state_of(obj):
 
 
 def command(train):
-    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: leaves the process group on any
-    exit, and turns running out of GPU memory into one line that says what to change."""
+    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: a stop signal ends it at an
+    iteration boundary with its state saved (core.preempt); it leaves the process group
+    and the run directory's lock on any exit, and turns running out of GPU memory into one
+    line that says what to change."""
     def run(cfg) -> int:
         try:
-            train(cfg)
+            with preempt.watch():
+                train(cfg)
         except torch.OutOfMemoryError:
             raise UserError(out_of_memory_message(cfg)) from None
         finally:
+            release_all()
             dist.cleanup()
         return 0
     return run

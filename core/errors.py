@@ -15,3 +15,16 @@ class RunFailed(Exception):
 
     The CLI prints the message as one line and exits with code 1.
     """
+
+
+# The exit code of a run stopped by SIGTERM / SIGUSR1 after saving its state (sysexits.h's
+# EX_TEMPFAIL: "try again later"). Distinct from 1 (failed), 2 (bad input) and 128 + N
+# (killed by signal N before anything was saved): a job script may requeue on it.
+PREEMPTED_EXIT = 75
+
+
+class Preempted(Exception):
+    """A run that stopped on a signal with its state saved; `resume=auto` continues it.
+
+    The CLI prints the message as one line and exits with PREEMPTED_EXIT.
+    """

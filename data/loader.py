@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from resmlp.core import dist
 from resmlp.core.errors import UserError
+from resmlp.core.preempt import shield_worker
 
 _WRAPPED = re.compile(r"^[\w.]*UserError: (.*)$")
 
@@ -133,7 +134,8 @@ def build_loader(dataset, batch_size: int, train: bool, num_workers: int = 4, se
     generator.manual_seed(_generator_seed(seed, 0))
     return Loader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                   collate_fn=collate_fn, pin_memory=torch.cuda.is_available(), drop_last=drop_last,
-                  persistent_workers=num_workers > 0, generator=generator, seed=seed)
+                  persistent_workers=num_workers > 0, generator=generator, seed=seed,
+                  worker_init_fn=shield_worker if num_workers > 0 else None)
 
 
 def set_epoch(loader, epoch: int) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from resmlp.core import dist
+from resmlp.core.preempt import shield_worker
 from resmlp.data.decode import reads_files, serve_encoded
 from resmlp.data.loader import cap_workers
 
@@ -113,5 +114,6 @@ def build_train_loader(dataset, transform, batch_size: int, seed: int, num_worke
     loader = DataLoader(wrapped, batch_size=batch_size, collate_fn=collate_fn,
                         sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                         drop_last=True, persistent_workers=num_workers > 0,
-                        prefetch_factor=4 if num_workers > 0 else None)
+                        prefetch_factor=4 if num_workers > 0 else None,
+                        worker_init_fn=shield_worker if num_workers > 0 else None)
     return loader, sampler

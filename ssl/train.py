@@ -82,7 +82,7 @@ def train(cfg):
     if not start_it and (demo or cfg.eval_every):
         results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
-    cadence = Cadence(run, ipe, start_it, tally=step.tally)
+    cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
 
     run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} "
               f"iterations, global batch {cfg.batch_size} on {run.world_size} x {device.type}, crops "
@@ -115,7 +115,7 @@ def train(cfg):
                               f"T_t {record['teacher_temp']:.3f} H_t {record['teacher_entropy']:.2f} "
                               f"KL {record['teacher_kl_mean']:.3f} {record['images_per_s']:.0f} img/s")
             if cadence.checkpoint_due(it):  # <- sync point
-                cadence.checkpoint(it, results, **state)
+                cadence.checkpoint(it)
             cadence.after_iteration(it)
 
         cadence.read(it)  # <- sync point: the epoch's remaining steps
@@ -128,7 +128,7 @@ def train(cfg):
             res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
             eval_seconds += time.time() - eval_started
             run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
-        cadence.checkpoint(it, results, **state)
+        cadence.checkpoint(it)
 
     # ---- the end: the teacher's k-NN (and linear probe) on the test split ---------------------
     if cfg.save_rank_weights:  # to check that DDP kept the ranks in step

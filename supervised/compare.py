@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 from resmlp.core import dist
 from resmlp.core.config import load_config, save_config, to_dict
-from resmlp.core.engine import config_differences
+from resmlp.core.engine import command, config_differences
 from resmlp.core.errors import UserError
 
 # Training paths of the table, in the paper's order.
@@ -300,21 +300,22 @@ def write_report(cfg, res: dict[str, dict]) -> Path:
     return root
 
 
-def run(cfg) -> int:
-    try:
-        if cfg.demo and dist.is_main():
-            e = cfg.compare.epochs
-            print(f"CPU demo: every path at a short budget (supervised {e.supervised}, distill {e.distill}, DINO "
-                  f"{e.dino} (+ linear {e.linear}, fine-tune {e.finetune}) epochs, teacher {e.teacher}) on a small "
-                  f"{cfg.model.name} (dim {cfg.model.dim}, depth {cfg.model.depth}) and {cfg.data.subset} images. "
-                  "On a GPU the compare runs the budgets of configs/method/compare.yaml; demo=false forces them.",
-                  flush=True)
-        res = collect(cfg, log=lambda m: dist.is_main() and print(m, flush=True))
-        if dist.is_main():
-            root = write_report(cfg, res)
-            print((root / "compare.md").read_text(), flush=True)
-            print(f"compare: wrote {root}/compare.md, compare.json, compare.png", flush=True)
-        dist.barrier()
-    finally:
-        dist.cleanup()
-    return 0
+def compare(cfg) -> None:
+    if cfg.demo and dist.is_main():
+        e = cfg.compare.epochs
+        print(f"CPU demo: every path at a short budget (supervised {e.supervised}, distill {e.distill}, DINO "
+              f"{e.dino} (+ linear {e.linear}, fine-tune {e.finetune}) epochs, teacher {e.teacher}) on a small "
+              f"{cfg.model.name} (dim {cfg.model.dim}, depth {cfg.model.depth}) and {cfg.data.subset} images. "
+              "On a GPU the compare runs the budgets of configs/method/compare.yaml; demo=false forces them.",
+              flush=True)
+    res = collect(cfg, log=lambda m: dist.is_main() and print(m, flush=True))
+    if dist.is_main():
+        root = write_report(cfg, res)
+        print((root / "compare.md").read_text(), flush=True)
+        print(f"compare: wrote {root}/compare.md, compare.json, compare.png", flush=True)
+    dist.barrier()
+
+
+# The CLI's entry, as the trainers': a stop signal ends the path in training with a checkpoint,
+# and the same command again resumes it (finished paths are reused).
+run = command(compare)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from resmlp.core.preempt import shield_worker
 from resmlp.data.resumable import EpochSampler, SeededTransform
 
 
@@ -43,5 +44,6 @@ def build_repeat_aug_loader(dataset, transform, batch_size: int, repeats: int, s
     sampler = RepeatAugSampler(len(dataset), batch_size, repeats, seed=seed)
     loader = DataLoader(SeededTransform(dataset, transform, seed), batch_size=batch_size, sampler=sampler,
                         num_workers=num_workers, pin_memory=pin_memory, drop_last=True,
-                        persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None)
+                        persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
+                        worker_init_fn=shield_worker if num_workers > 0 else None)
     return loader, sampler

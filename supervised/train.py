@@ -259,7 +259,7 @@ def train(cfg):
     state = {"model": raw_model, "optimizer": optimizer, "ema": ema, "scaler": run.scaler}
     start_it, results = run.restore(**state)
     results.setdefault("history", [])
-    cadence = Cadence(run, ipe, start_it)
+    cadence = Cadence(run, ipe, start_it, results, {**state, "num_classes": n_classes})
 
     def test(epoch: int) -> dict:
         res = evaluate(raw_model, test_loader, device, run.autocast)
@@ -327,7 +327,7 @@ def train(cfg):
                     run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
                               f"lr {record['lr']:.2e} {record['images_per_s']:.0f} img/s")
             if cadence.checkpoint_due(it):  # <- sync point
-                cadence.checkpoint(it, results, **state, num_classes=n_classes)
+                cadence.checkpoint(it)
             cadence.after_iteration(it)
         train_time += time.time() - t_epoch
         train_images += epoch_steps * cfg.batch_size
@@ -342,7 +342,7 @@ def train(cfg):
             record.update({k: v for k, v in res.items() if k != "epoch"})
         run.log(record, step=it)
         run.print(f"epoch {epoch + 1}/{E}: train loss {mean_loss:.4f}")
-        cadence.checkpoint(it, results, **state, num_classes=n_classes)
+        cadence.checkpoint(it)
 
     # ---- the end: test split, results --------------------------------------------------------
     final = test(E)

@@ -108,6 +108,45 @@ def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+# What a new user may type: each is one line, exit 2, before anything is created.
+BAD_NUMBERS = [("dino", "batch_size=0"), ("dino", "batch_size=-4"), ("supervised", "batch_size=0"),
+               ("dino", "epochs=0"), ("dino", "epochs=2.5"), ("supervised", "epochs=-1"), ("dino", "optim.lr=0"),
+               ("supervised", "optim.lr=-0.1"), ("dino", "num_workers=-1"), ("dino", "dino.n_local_crops=-1"),
+               ("dino", "data.local_size=0"), ("dino", "dino.local_size=-16"), ("knn", "k=0"), ("knn", "k=10,-1"),
+               ("knn", "T=0"), ("knn", "T=-0.07"), ("dino", "eval_every=-1"), ("supervised", "ckpt_every=-1"),
+               ("dino", "log_every=0"), ("dino", "slurm.nodes=0")]
+
+
+@pytest.mark.parametrize("command,bad", BAD_NUMBERS)
+def test_bad_numbers_are_one_line_before_anything_runs(command, bad, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    source = "timm:resmlp_12_224" if command == "knn" else "resmlp_s12"
+    assert cli.main([command, source, bad, f"out={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not allowed" in err[0] and "must be" in err[0], err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_out_naming_an_existing_file_is_refused_and_left_alone(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for command, source in (("dino", "resmlp_s12"), ("supervised", "resmlp_s12"), ("knn", "timm:resmlp_12_224")):
+        assert cli.main([command, source, f"out={notes}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is an existing file" in err[0], err
+    assert notes.read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["dino", "supervised"])
+def test_failed_data_checks_leave_no_run_dir(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([command, "resmlp_s12", "data=imagefolder", "demo=false"]) == 2
+    assert cli.main([command, "resmlp_s12", "data=imagefolder", f"out={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert all("data.root" in line for line in err if line.startswith("error:")), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
 def test_cli_unwraps_user_error_raised_in_a_worker():
     wrapped = RuntimeError("Caught UserError in DataLoader worker process 0.\nOriginal Traceback ...\n"
                            "resmlp.core.errors.UserError: /x/bad.jpg is not a readable image")

@@ -1,0 +1,91 @@
+"""Preemption: a SIGTERM or SIGUSR1 (what a scheduler sends before it ends a job) stops a
+training run at an iteration boundary with its state saved, instead of losing the work
+since the last checkpoint.
+
+The handler only sets a flag; the training loop asks `agreed()` once per iteration (and
+after each checkpoint), which all-reduces the flag so that every rank stops at the same
+iteration, even when the signal reached only some of them. Cadence (core/engine.py) then
+saves a checkpoint at that iteration and raises `Preempted` (core/errors.py); the CLI
+prints one line and exits with PREEMPTED_EXIT, and `resume=auto` continues from the saved
+iteration.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+from resmlp.core import dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+_received: list[int] = []
+_depth = [0]  # nested watch() blocks: the outermost one starts with no signal noted
+
+
+def _note(signum, _frame) -> None:
+    _received.append(signum)
+
+
+@contextlib.contextmanager
+def watch(extra=()):
+    """Within the block, SIGTERM, SIGUSR1 (and `extra` signals) only note a request to stop;
+    the previous handlers come back afterwards. Outside the main thread (where Python
+    cannot install handlers) it does nothing."""
+    signals = tuple(dict.fromkeys((*SIGNALS, *extra)))
+    try:
+        previous = {s: signal.signal(s, _note) for s in signals}
+    except ValueError:  # not the main thread
+        yield
+        return
+    if not _depth[0]:
+        _received.clear()
+    _depth[0] += 1
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def requested() -> bool:
+    """Whether this process received a stop signal (no communication)."""
+    return bool(_received)
+
+
+def received() -> str | None:
+    """The name of the first stop signal this process received, if any."""
+    return signal.Signals(_received[0]).name if _received else None
+
+
+def got(signum: int) -> bool:
+    """Whether this process received `signum` (in the last watch() block)."""
+    return signum in _received
+
+
+def agreed() -> bool:
+    """Whether any rank received a stop signal: every rank must call it at the same point."""
+    return dist.any_rank(requested())
+
+
+def shield_worker(_worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn. A scheduler signals every process of a job, loader
+    workers too, and a worker that dies of it takes the training loop down mid-iteration.
+    Here the stop signals are ignored, except a SIGTERM from the parent (how
+    multiprocessing ends a worker), which still ends it at once."""
+    for s in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    # Blocked here, SIGTERM waits for the thread below (threads started later inherit the mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_end_on_parents_sigterm, args=(os.getppid(),), daemon=True,
+                     name="resmlp-sigterm").start()
+
+
+def _end_on_parents_sigterm(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)

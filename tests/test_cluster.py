@@ -1,0 +1,374 @@
+"""Cluster-grade runs: a stop signal ends a run at an iteration with a checkpoint and the
+resumed run ends with the uninterrupted run's weights (one process, two gloo processes,
+loader workers, every trainer); the SLURM launcher (sbatch parameters, a job interrupted
+and requeued by submitit's local executor); torchrun's c10d rendezvous through run.sh;
+the run directory's lock and the fallback to the previous checkpoint."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resmlp.core.errors import PREEMPTED_EXIT, UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+
+# 2 epochs x 4 iterations of a tiny DINO (tests/test_dino.py's TINY on 128 images)
+DINO = ["dino", "resmlp_s12", "demo=false", "model.dim=16", "model.depth=2", "data.subset=128", "batch_size=32",
+        "epochs=2", "dino.out_dim=64", "dino.hidden_dim=32", "dino.bottleneck_dim=16", "dino.n_local_crops=2",
+        "optim.warmup_epochs=1", "num_workers=0", "eval_every=0", "log_every=1", "dino.final_linear=false",
+        "model.drop_path_rate=0.0"]
+TOTAL = 8
+
+
+def cli(*args):
+    return [sys.executable, "-m", "resmlp.core.cli", *args]
+
+
+def run_sh(*args, **env):
+    """run.sh with this interpreter (no .venv build inside the tests)."""
+    e = {**os.environ, "RESMLP_PYTHON": sys.executable, **env}
+    return ["bash", str(ROOT / "run.sh"), *args], e
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def logged_iteration(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "log.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(line).get("iteration", 0) for line in lines if line.strip()), default=0)
+
+
+def wait_for_training(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> None:
+    """Until the run has logged its first iteration (its loop is running)."""
+    deadline = time.time() + timeout
+    while logged_iteration(run_dir) < 1:
+        assert proc.poll() is None, f"the run ended before training: {proc.communicate()[1][-2000:]}"
+        assert time.time() < deadline, "the run did not start training"
+        time.sleep(0.1)
+
+
+def weights(run_dir: Path, keys=("student", "teacher")) -> dict:
+    ckpt = torch.load(run_dir / "checkpoint.pth", weights_only=False)
+    return {"iteration": ckpt["iteration"], **{k: ckpt[k] for k in keys}}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a["iteration"] == b["iteration"]
+    for key in a:
+        if key == "iteration":
+            continue
+        for name, value in a[key].items():
+            assert torch.equal(value, b[key][name]), f"{key}.{name} differs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The tiny DINO run, start to end: its weights are what every interrupted run must end with."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(cli(*DINO, f"out={out}"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+# ---- a stop signal: checkpoint at the iteration, distinct exit code, resume to the same weights ----
+@needs_fmnist
+def test_sigterm_mid_epoch_saves_the_iteration_and_resumes_to_the_same_weights(tmp_path, uninterrupted):
+    out = tmp_path / "cut"
+    proc = subprocess.Popen(cli(*DINO, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for_training(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    cut = finish(proc)
+    assert cut.returncode == PREEMPTED_EXIT, cut.stderr[-2000:]
+    assert "Traceback" not in cut.stderr
+    message = cut.stderr.strip().splitlines()[-1]
+    stopped_at = torch.load(out / "checkpoint.pth", weights_only=False)["iteration"]
+    assert message.startswith(f"stopped by SIGTERM after iteration {stopped_at} of {TOTAL}")
+    assert 1 <= stopped_at < TOTAL
+    assert logged_iteration(out) == stopped_at     # no iteration ran past the checkpoint
+    assert not (out / "run.lock").exists()         # released on the way out
+
+    resumed = subprocess.run(cli(*DINO, f"out={out}"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"iteration {stopped_at})" in resumed.stdout
+    assert_same_weights(weights(uninterrupted), weights(out))
+
+
+@needs_fmnist
+def test_sigterm_to_every_process_of_the_run_spares_its_loader_workers(tmp_path):
+    """A scheduler signals the whole process tree: a loader worker that died of it would
+    take the loop down with a traceback instead of a checkpoint."""
+    out = tmp_path / "tree"
+    proc = subprocess.Popen(cli(*DINO, f"out={out}", "num_workers=2"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_training(proc, out)
+    os.killpg(proc.pid, signal.SIGTERM)
+    cut = finish(proc)
+    assert cut.returncode == PREEMPTED_EXIT, cut.stderr[-3000:]
+    assert "Traceback" not in cut.stderr and "stopped by SIGTERM" in cut.stderr
+    assert 1 <= torch.load(out / "checkpoint.pth", weights_only=False)["iteration"] < TOTAL
+
+
+def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
+    """The pid of torchrun's worker process of `rank` (Linux /proc)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            try:
+                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                env = (p / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and f"RANK={rank}".encode() in env:
+                return int(p.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of rank {rank} under pid {parent}")
+
+
+@needs_fmnist
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds torchrun's workers through /proc")
+def test_two_processes_stop_together_when_one_is_signalled_and_resume_to_the_same_weights(tmp_path):
+    """Two gloo processes: SIGUSR1 reaches rank 1 only; both stop after the same iteration,
+    rank 0 saves it. The uninterrupted run starts with a fixed master (MASTER_ADDR form),
+    the interrupted and the resumed ones with torchrun's c10d rendezvous (RDZV_ENDPOINT)."""
+    args = [*DINO, "device=cpu"]
+    cmd, env = run_sh(*args, f"out={tmp_path / 'whole'}", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    whole = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    out = tmp_path / "cut"
+    cmd, env = run_sh(*args, f"out={out}", NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank1 = worker_pid(proc.pid, 1)   # run.sh execs torchrun: the workers are its children
+    wait_for_training(proc, out)
+    os.kill(rank1, signal.SIGUSR1)
+    cut = finish(proc)
+    assert cut.returncode != 0 and re.search(rf"exitcode\s*:\s*{PREEMPTED_EXIT}\b", cut.stderr)  # torchrun's summary
+    assert "stopped by a stop signal to another process after iteration" in cut.stderr, cut.stderr[-3000:]
+    stopped_at = torch.load(out / "checkpoint.pth", weights_only=False)["iteration"]
+    assert 1 <= stopped_at < TOTAL and logged_iteration(out) == stopped_at
+
+    cmd, env = run_sh(*args, f"out={out}", NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"iteration {stopped_at})" in resumed.stdout
+    assert_same_weights(weights(tmp_path / "whole"), weights(out))
+
+
+def test_run_sh_passes_the_rendezvous_or_the_master_to_torchrun(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@"\n')  # stands in for the interpreter: prints what it was given
+    fake.chmod(0o755)
+    cmd, env = run_sh("dino", "resmlp_s12", "epochs=1", RESMLP_PYTHON=str(fake), NPROC_PER_NODE="4",
+                      NNODES="2", RDZV_ENDPOINT="node7:29400", RDZV_ID="job42")
+    rdzv = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).stdout.splitlines()[-1]
+    assert rdzv.startswith("-m torch.distributed.run --nproc_per_node=4 --nnodes=2 --rdzv_backend=c10d "
+                           "--rdzv_endpoint=node7:29400 --rdzv_id=job42 -m resmlp.core.cli dino")
+    assert "master_addr" not in rdzv and "node_rank" not in rdzv
+    cmd, env = run_sh("dino", "resmlp_s12", RESMLP_PYTHON=str(fake), NPROC_PER_NODE="4", NNODES="2",
+                      NODE_RANK="1", MASTER_ADDR="node0")
+    fixed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).stdout.splitlines()[-1]
+    assert "--node_rank=1 --master_addr=node0 --master_port=29500" in fixed and "rdzv" not in fixed
+
+
+# ---- the supervised loop (supervised, distill, finetune) ------------------------------------------
+SUPERVISED = ["model.dim=32", "model.depth=2", "data.subset=128", "batch_size=32", "num_workers=0", "demo=false",
+              "log_every=1", "eval_every=0", "epochs=2", "eval_limit=100", "eval_batch_size=100",
+              "model.drop_path_rate=0.1"]  # the rest is the full recipe: mixup, RandAugment, erasing
+
+
+@needs_fmnist
+@pytest.mark.parametrize("command", ["supervised", "distill", "finetune"])
+def test_supervised_loop_stops_on_sigusr1_and_resumes_to_the_same_weights(tmp_path, command, uninterrupted):
+    if command == "supervised":
+        args = ["supervised", "resmlp_s12", *SUPERVISED]
+    elif command == "distill":  # the teacher: a classifier of this test's own, trained for an epoch
+        teacher = tmp_path / "teacher"
+        made = subprocess.run(cli("supervised", "resmlp_s12", *SUPERVISED, "epochs=1", f"out={teacher}"), cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+        assert made.returncode == 0, made.stderr[-2000:]
+        args = ["distill", "resmlp_s12", *SUPERVISED, f"teacher={teacher}"]
+    else:  # fine-tuning the tiny DINO run (the model and data come from it)
+        args = ["finetune", str(uninterrupted), *[a for a in SUPERVISED if not a.startswith("model.")]]
+    whole = subprocess.run(cli(*args, f"out={tmp_path / 'whole'}"), cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    out = tmp_path / "cut"
+    proc = subprocess.Popen(cli(*args, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for_training(proc, out)
+    proc.send_signal(signal.SIGUSR1)
+    cut = finish(proc)
+    assert cut.returncode == PREEMPTED_EXIT, cut.stderr[-2000:]
+    assert "stopped by SIGUSR1 after iteration" in cut.stderr and "Traceback" not in cut.stderr
+    stopped_at = torch.load(out / "checkpoint.pth", weights_only=False)["iteration"]
+    assert 1 <= stopped_at < TOTAL
+
+    resumed = subprocess.run(cli(*args, f"out={out}"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"iteration {stopped_at})" in resumed.stdout
+    assert_same_weights(weights(tmp_path / "whole", keys=("model",)), weights(out, keys=("model",)))
+
+
+# ---- the SLURM launcher ------------------------------------------------------------------------------
+def test_slurm_time_in_every_slurm_format():
+    from resmlp.core.slurm import minutes
+    assert [minutes(t) for t in (90, "90", "1:30:00", "2-00:00:00", "1-12", "1-0:30", "30:30")] == \
+        [90, 90, 90, 2880, 2160, 1470, 31]
+    for bad in ("soon", "0", "1:2:3:4", "-5"):
+        with pytest.raises(UserError, match="slurm.time"):
+            minutes(bad)
+
+
+def test_slurm_submission_asks_for_what_the_config_says(tmp_path):
+    """Through a stand-in `sbatch` (it keeps the script it is given): the job's resources,
+    the requeue, the signal before the time limit, and the command each process runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$KEEP_SBATCH"\necho "Submitted batch job 4242"\n')
+    (bin_dir / "srun").write_text("#!/bin/sh\n")  # submitit looks for it to know it is on a SLURM cluster
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "KEEP_SBATCH": str(script)}
+    out = tmp_path / "run"
+    done = subprocess.run(cli("dino", "resmlp_s12", "launcher=slurm", "slurm.nodes=2", "slurm.gpus_per_node=8",
+                              "slurm.partition=gpu", "slurm.account=vision", "slurm.time=2-12:00:00",
+                              "slurm.signal_delay_s=300", "num_workers=9", f"out={out}", "epochs=3"),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "job 4242" in done.stdout and f"{out}/slurm/4242/4242_0_log.out" in done.stdout
+
+    flags = dict(line[len("#SBATCH --"):].partition("=")[::2] for line in script.read_text().splitlines()
+                 if line.startswith("#SBATCH --"))
+    assert {k: flags[k] for k in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "partition",
+                                  "account", "time", "signal", "requeue")} == {
+        "nodes": "2", "ntasks-per-node": "8", "gpus-per-node": "8", "cpus-per-task": "10", "partition": "gpu",
+        "account": "vision", "time": str(60 * 60), "signal": "USR2@300", "requeue": ""}
+    assert "srun" in script.read_text() and "submitit.core._submit" in script.read_text()
+
+    import submitit
+    job = submitit.helpers.DelayedSubmission.load(out / "slurm" / "4242" / "4242_submitted.pkl").function
+    assert job.argv[:2] == ["dino", "resmlp_s12"] and job.argv[-2:] == ["launcher=local", f"out={out}"]
+    assert "epochs=3" in job.argv and "demo" not in " ".join(job.argv)  # the GPU node decides on the demo
+    assert job.checkpoint().function.argv == [*job.argv, "resume=auto"]
+
+
+@needs_fmnist
+def test_slurm_job_interrupted_and_requeued_ends_with_the_same_weights(tmp_path, uninterrupted):
+    """submitit's local executor runs the job on this machine as SLURM would: SIGUSR2 (what
+    SLURM sends before the time limit) stops it with a checkpoint, submitit requeues it,
+    and the requeued job resumes and finishes."""
+    from resmlp.core import cli as resmlp_cli
+    from resmlp.core.slurm import submit
+    out = tmp_path / "job"
+    argv = [*DINO, f"out={out}", "launcher=slurm", "slurm.cluster=local", "slurm.gpus_per_node=0", "slurm.time=30"]
+    _, cfg = resmlp_cli.build(argv)
+    job = submit(cfg, argv)
+    deadline = time.time() + 300
+    while logged_iteration(out) < 1:
+        assert job.state == "RUNNING" and time.time() < deadline, job.stderr()
+        time.sleep(0.1)
+    task = json.loads((out / "run.lock").read_text())["pid"]  # the job's process holds the run dir
+    os.kill(task, signal.SIGUSR2)
+    assert job.result() == 0
+    log = job.stdout() + job.stderr()
+    assert "stopped by SIGUSR2 after iteration" in log and "Requeued job" in log and "resuming from" in log
+    assert_same_weights(weights(uninterrupted), weights(out))
+
+
+# ---- the run directory: one live run, the previous checkpoint ---------------------------------------------
+def tiny_config(out, *extra):
+    from resmlp.core.config import load_config
+    return load_config("dino", "resmlp_s12", [*DINO[2:], f"out={out}", *extra])
+
+
+def test_a_live_run_holds_its_directory(tmp_path):
+    from resmlp.core.lock import LOCK_NAME, this_process
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps(this_process()))  # this test process: alive, and not the CLI's
+    done = subprocess.run(cli(*DINO, f"out={out}"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {os.getpid()} on {socket.gethostname()}" in lines[0] and "in use" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written beside it
+
+
+def test_a_dead_runs_lock_is_taken_over_with_a_warning(tmp_path, capsys):
+    from resmlp.core.engine import Run
+    from resmlp.core.lock import LOCK_NAME, this_process
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({**this_process(), "pid": gone.pid, "started": "1"}))
+    run = Run(tiny_config(out))
+    run.restore()
+    assert "was left by a run that is gone" in capsys.readouterr().out
+    assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    run.finish({})
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_lock_of_another_host(tmp_path, monkeypatch):
+    """Another host's pid cannot be checked: its lock holds, and the message says which file
+    to delete if that run is dead; a requeued SLURM job recognises its own earlier lock."""
+    from resmlp.core.lock import LOCK_NAME, RunLock
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node17", "pid": 4, "slurm_job": "991"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "990")
+    with pytest.raises(UserError, match=f"pid 4 on node17.*delete {tmp_path / LOCK_NAME}"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "991")
+    assert "taking it over" in RunLock(tmp_path).acquire()
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+    from resmlp.core.checkpoint import rng_state
+    from resmlp.core.engine import Run
+    out = tmp_path / "run"
+    run = Run(tiny_config(out))
+    run.restore()
+    for it in (1, 2):
+        run.save({"iteration": it, "epoch": 0, "rng": rng_state()})
+    assert torch.load(out / "checkpoint_prev.pth", weights_only=False)["iteration"] == 1
+    assert not list(out.glob("*.tmp"))
+    run.finish({})
+    latest = (out / "checkpoint.pth").read_bytes()
+    (out / "checkpoint.pth").write_bytes(latest[: len(latest) // 2])  # a write cut short
+    capsys.readouterr()
+    assert Run(tiny_config(out)).resume_state()["iteration"] == 1
+    printed = capsys.readouterr().out
+    assert "warning: " in printed and "checkpoint_prev.pth instead" in printed
+
+    (out / "checkpoint.pth").unlink()  # killed between the two renames of a save
+    assert Run(tiny_config(out)).resume_state()["iteration"] == 1
+    assert "checkpoint.pth is missing; resuming from the previous" in capsys.readouterr().out
+    (out / "checkpoint_prev.pth").write_text("garbage")
+    (out / "checkpoint.pth").write_bytes(latest[:100])
+    with pytest.raises(UserError, match="no readable checkpoint in"):
+        Run(tiny_config(out)).resume_state()
