@@ -37,3 +37,34 @@ def collapse_warning(mean_entropy: float, out_dim: int) -> str | None:
         return (f"teacher output is near one-hot (entropy {mean_entropy:.3f}) for a whole epoch: DINO may "
                 "have collapsed; raise dino.center_momentum or dino.teacher_temp")
     return None
+
+
+class CollapseWatch:
+    """Warns while a collapse to uniform targets happens, not after it: the teacher's KL
+    to the batch-mean target (`teacher_kl_mean`) falls long before the entropy reaches
+    ln K. `update` takes that KL at every log line; when it has stayed under `threshold`
+    for `patience` lines in a row it returns the warning, once, and a line back above the
+    threshold starts a new episode. The advice names the knob that the study in
+    docs/dino_learning.md found to matter."""
+
+    def __init__(self, threshold: float, patience: int, bottleneck_norm: str = "none"):
+        if threshold < 0 or patience < 1:
+            raise ValueError(f"CollapseWatch needs threshold >= 0 and patience >= 1, got {threshold}, {patience}")
+        self.threshold, self.patience, self.bottleneck_norm = float(threshold), int(patience), bottleneck_norm
+        self.below = 0
+
+    def update(self, kl: float) -> str | None:
+        if not kl < self.threshold:  # a NaN or a healthy value ends an episode
+            self.below = 0
+            return None
+        self.below += 1
+        if self.below != self.patience:
+            return None
+        if self.bottleneck_norm == "none":
+            advice = ("set dino.bottleneck_norm=batchnorm, which takes away the part of the head's output "
+                      "that every image shares")
+        else:
+            advice = "lower optim.lr or raise dino.momentum_teacher, which slow the drift"
+        return (f"the teacher's targets barely depend on the image (KL to the batch-mean target {kl:.3f} < "
+                f"{self.threshold:g} for {self.patience} log lines): DINO is collapsing to uniform targets; "
+                f"{advice} (docs/dino_learning.md)")

@@ -17,7 +17,7 @@ from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.resumable import build_train_loader
 from resmlp.ssl.crop_plan import build_views, crop_plan
-from resmlp.ssl.health import collapse_warning
+from resmlp.ssl.health import CollapseWatch, collapse_warning
 from resmlp.ssl.step import build_dino_step
 
 
@@ -41,6 +41,20 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> di
         lin = dist.broadcast_object(lin)
         out.update(linear_top1=lin["top1"], linear_top5=lin["top5"], linear_lr=lin["lr"])
     return out
+
+
+def pixel_knn_report(run, cfg) -> dict:
+    """The same k-NN on raw pixels (the eval transform's normalized images, flattened),
+    against the same bank: the bar that features must clear to say more about the classes
+    than the pixels already do."""
+    from resmlp.eval.knn import online_knn
+    temp = float(cfg.knn.temperature)
+    res = online_knn(torch.nn.Flatten(), cfg.data, run.device, ks=(20,), temperature=temp,
+                     batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
+                     backend=cfg.knn.backend, amp_dtype=torch.float32)
+    run.print(f"[raw pixels] knn top1={res['knn_top1']:.2f} top5={res['knn_top5']:.2f} (k=20, T={temp:g}, "
+              f"the same {res['n_train']}-image bank)")
+    return {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"]}
 
 
 def train(cfg):
@@ -81,8 +95,11 @@ def train(cfg):
     start_it, results = run.restore(**state)
     if not start_it and (demo or cfg.eval_every):
         results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
+    if demo and "pixels" not in results:
+        results["pixels"] = pixel_knn_report(run, cfg)
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
+    collapse = CollapseWatch(cfg.dino.collapse_kl, cfg.dino.collapse_patience, cfg.dino.bottleneck_norm)
 
     run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} "
               f"iterations, global batch {cfg.batch_size} on {run.world_size} x {device.type}, crops "
@@ -114,6 +131,9 @@ def train(cfg):
                               f"lr {record['lr']:.2e} wd {record['wd']:.3f} m {record['momentum']:.4f} "
                               f"T_t {record['teacher_temp']:.3f} H_t {record['teacher_entropy']:.2f} "
                               f"KL {record['teacher_kl_mean']:.3f} {record['images_per_s']:.0f} img/s")
+                warning = collapse.update(record["teacher_kl_mean"])
+                if warning:
+                    run.print(f"warning: {warning}")
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
@@ -141,8 +161,10 @@ def train(cfg):
     results["final"] = final
     if "init" in results and run.is_main:
         gain = final["knn_top1"] - results["init"]["knn_top1"]
+        pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
+                  if "pixels" in results else "")
         run.print(f"k-NN top-1: {results['init']['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} "
-                  f"after {E} epochs ({gain:+.2f})")
+                  f"after {E} epochs ({gain:+.2f}){pixels}")
     if run.is_main:
         top1, top5 = final["knn_top1"], final["knn_top5"]
         print(f"knn top1={top1:.2f} top5={top5:.2f} (k=20, T={float(cfg.knn.temperature):g})")
@@ -150,7 +172,8 @@ def train(cfg):
                           "epochs": E, "demo": demo, "local_crops": cfg.dino.local_crops,
                           "params": sum(p.numel() for p in teacher.backbone.parameters()),
                           "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
-                          **{f"init_{k}": v for k, v in results.get("init", {}).items()}, **final})
+                          **{f"init_{k}": v for k, v in results.get("init", {}).items()},
+                          **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final})
     return run, step.raw_student, teacher, summary
 
 

@@ -140,16 +140,18 @@ def test_cuda_steady_state_never_synchronizes():
 
 
 # ---- 3. the head's last layer and the loss in fp32 ---------------------------------------
-def test_head_last_layer_runs_in_fp32_under_bf16_autocast():
+@pytest.mark.parametrize("norm", ["none", "batchnorm"])
+def test_head_last_layer_runs_in_fp32_under_bf16_autocast(norm):
     from resmlp.ssl.head import build_head, head_forward
     cfg, _ = tiny_step()
+    cfg.dino.bottleneck_norm = norm
     torch.manual_seed(0)
     head = build_head(16, cfg.dino)
     x = torch.randn(6, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = head_forward(head, x)
-        z = head.layers(x)                                  # the MLP stays in bf16
-    assert got.dtype == torch.float32 and z.dtype == torch.bfloat16
+        z = head.layers(x)  # the MLP in bf16; the bottleneck norm, when on, hands on fp32
+    assert got.dtype == torch.float32 and z.dtype == (torch.bfloat16 if norm == "none" else torch.float32)
     want = head.last_layer(torch.nn.functional.normalize(z.float(), dim=-1))
     assert torch.equal(got, want)
     exact = head.double()(x.double())

@@ -1,0 +1,174 @@
+"""The probe and the one-off interventions of docs/dino_learning.md.
+
+    python docs/dino_learning_probe.py [key=value ...]      # = bash run.sh dino resmlp_s12 [...]
+
+runs the normal trainer and, every PROBE_EVERY (25) iterations, writes one line of
+<out>/probe.jsonl about the teacher's head on that iteration's global crops: for the
+pooled features and for each linear layer of the head, the size of the part that
+depends on the image (`dev`: mean distance to the batch mean) against the part that
+does not (`mean`: norm of the batch mean) and the layer's bias; the pairwise cosine of
+the bottleneck outputs, the cosine of their mean with the head's output for an all-zero
+input, how many prototypes are some crop's argmax, how often both global crops of an
+image pick the same one, and the participation ratio (effective number of directions)
+of the centered features and bottleneck outputs. The probe only reads: the training
+itself is the command's.
+
+Interventions for the study, by environment variable (none is a project option):
+    HEAD_NOBIAS=1         the head's linear biases stay at zero (not trained)
+    HEAD_INIT=lecun       the head's linear weights drawn with std 1/sqrt(fan_in), not 0.02
+    FEAT_SCALE=c          the pooled features multiplied by c before the head
+    FEAT_BN=1             the pooled features batch-normalized (no affine) before the head
+    BOTTLENECK_CENTER=1   the batch mean subtracted from the head's bottleneck output
+    BOTTLENECK_BN=1       torch's BatchNorm1d (no affine) on the bottleneck output
+    BACKBONE=<timm name>  a timm model as backbone (its 16 px local crops go through as they are)
+    BACKBONE_NORM=gn      ... with GroupNorm(1 group) in place of its BatchNorm
+"""
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import resmlp.models.from_config as from_config
+import resmlp.ssl.networks as networks
+import resmlp.ssl.train as dino_train
+
+EVERY = int(os.environ.get("PROBE_EVERY", "25"))
+
+
+def pair_cos(v: torch.Tensor) -> float:
+    v = F.normalize(v.float(), dim=-1)
+    n = v.shape[0]
+    return ((v @ v.t()).sum() - n).item() / (n * (n - 1))
+
+
+def participation_ratio(v: torch.Tensor) -> float:
+    s = torch.linalg.svdvals((v - v.mean(0)).double()) ** 2
+    return (s.sum() ** 2 / (s ** 2).sum()).item()
+
+
+def spread(v: torch.Tensor) -> dict:
+    m = v.mean(0)
+    return {"mean_norm": m.norm().item(), "dev_norm": (v - m).norm(dim=-1).mean().item(),
+            "norm": v.norm(dim=-1).mean().item(), "cos": pair_cos(v)}
+
+
+class Scale(nn.Module):
+    def __init__(self, c: float):
+        super().__init__()
+        self.c = c
+
+    def forward(self, x):
+        return x * self.c
+
+
+class Center(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+_build_head = networks.build_head
+
+
+def build_head(in_dim, dino_cfg):
+    head = _build_head(in_dim, dino_cfg)
+    linears = [m for m in head.layers if isinstance(m, nn.Linear)]
+    if os.environ.get("HEAD_INIT") == "lecun":
+        for m in linears:
+            std = 1 / math.sqrt(m.in_features)
+            nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
+    if os.environ.get("HEAD_NOBIAS"):
+        for m in linears:
+            m.bias.requires_grad_(False)
+    before = []
+    if os.environ.get("FEAT_BN"):
+        before.append(nn.BatchNorm1d(in_dim, affine=False))
+    if os.environ.get("FEAT_SCALE"):
+        before.append(Scale(float(os.environ["FEAT_SCALE"])))
+    after = []
+    if os.environ.get("BOTTLENECK_CENTER"):
+        after.append(Center())
+    if os.environ.get("BOTTLENECK_BN"):
+        after.append(nn.BatchNorm1d(dino_cfg.bottleneck_dim, affine=False))
+    if before or after:
+        head.layers = nn.Sequential(*before, *head.layers, *after)
+    return head
+
+
+_build_model = from_config.build_model
+
+
+def build_model(model_cfg, num_classes=0):
+    name = os.environ.get("BACKBONE")
+    if not name:
+        return _build_model(model_cfg, num_classes)
+    import timm
+    kwargs = {}
+    if os.environ.get("BACKBONE_NORM") == "gn":
+        from timm.layers import GroupNorm1
+        kwargs["norm_layer"] = GroupNorm1
+    model = timm.create_model(name, num_classes=0, **kwargs)
+    model.grid_adapt = "none"  # the trainer asks for the attribute; a convnet takes any crop size
+    return model
+
+
+_build_dino_step = dino_train.build_dino_step
+
+
+def build_dino_step(cfg, *args, **kwargs):
+    step = _build_dino_step(cfg, *args, **kwargs)
+    teacher, head = step.teacher, step.teacher.head
+    path = os.path.join(str(cfg.out), "probe.jsonl")
+    state = {"calls": 0, "x": None}
+
+    def on_backbone(module, inputs, output):
+        state["x"] = output.detach()
+
+    @torch.no_grad()
+    def on_head(module, inputs, output):
+        state["calls"] += 1
+        if state["calls"] % EVERY != 1:
+            return
+        x = state["x"].float()
+        layers = head.layers
+        linears = [m for m in layers if isinstance(m, nn.Linear)]
+        rec = {"it": state["calls"] - 1, "x": spread(x)}
+        h = x
+        for m in layers:
+            inp, h = h, m(h)
+            if isinstance(m, nn.Linear):
+                w_part = inp @ m.weight.t()
+                rec[f"lin{linears.index(m)}"] = {
+                    "out": spread(h), "w_dev": (w_part - w_part.mean(0)).norm(dim=-1).mean().item(),
+                    "w_mean": w_part.mean(0).norm().item(),
+                    "bias": m.bias.norm().item() if m.bias is not None else 0.0, "W": m.weight.norm().item()}
+        z = h
+        was = layers.training
+        layers.eval()
+        zero = layers(torch.zeros(2, x.shape[1]))[:1]
+        layers.train(was)
+        rec["z_cos_zero_input"] = F.cosine_similarity(z.mean(0, keepdim=True), zero).item()
+        rec["zn_cos"] = pair_cos(z)
+        rec["x_pr"], rec["z_pr"] = participation_ratio(x), participation_ratio(z)
+        t = head.last_layer(F.normalize(z, dim=-1)) - step.loss_fn.center.reshape(1, -1)
+        a, b = t.chunk(2)
+        rec["agree"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        rec["distinct"] = len(set(t.argmax(-1).tolist()))
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    teacher.backbone.register_forward_hook(on_backbone)
+    head.layers.register_forward_hook(on_head)
+    return step
+
+
+networks.build_head = build_head
+from_config.build_model = build_model
+dino_train.build_dino_step = build_dino_step
+
+if __name__ == "__main__":
+    from resmlp.core.cli import main
+    sys.exit(main(["dino", "resmlp_s12", *sys.argv[1:]]))

@@ -1,0 +1,111 @@
+"""DINO must learn on a small ResMLP (issue 15, docs/dino_learning.md): the head's
+bottleneck norm, the collapse watch, and two short Fashion-MNIST runs of one tiny recipe,
+one with DINO's head as published (its teacher drifts to uniform targets, and the watch
+must say so while it happens) and one with the bottleneck norm (it must keep learning)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resmlp.core.config import load_config
+from resmlp.core.errors import UserError
+from resmlp.ssl.health import CollapseWatch
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+
+# A ResMLP small enough for CI at a learning rate where the published head drifts to
+# uniform targets within the run (seed 0; the numbers asserted below were measured on it).
+LEARN = ["demo=false", "model.dim=32", "model.depth=2", "model.drop_path_rate=0.0", "data.subset=1000",
+         "batch_size=32", "epochs=20", "dino.out_dim=256", "dino.hidden_dim=128", "dino.bottleneck_dim=32",
+         "dino.n_local_crops=2", "optim.lr=0.004", "optim.warmup_epochs=1", "dino.momentum_teacher=0.99",
+         "eval_every=1000", "num_workers=0", "dino.final_linear=false", "log_every=25"]
+
+
+def _dino(out, *extra):
+    proc = subprocess.run([sys.executable, "-m", "resmlp.core.cli", "dino", "resmlp_s12", *LEARN, f"out={out}",
+                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+    return proc.stdout, [r for r in lines if "loss" in r], json.loads((Path(out) / "results.json").read_text())
+
+
+# ---- pieces ------------------------------------------------------------------------------
+def test_batch_standardize_is_batchnorm_without_weights_or_state():
+    from resmlp.ssl.head import BatchStandardize
+    torch.manual_seed(0)
+    x = torch.randn(40, 6) * 3 + torch.arange(6.0)
+    norm = BatchStandardize()
+    y = norm(x)
+    assert torch.allclose(y, torch.nn.BatchNorm1d(6, affine=False)(x), atol=1e-5)
+    assert torch.allclose(y.mean(0), torch.zeros(6), atol=1e-5)  # nothing left that every image shares
+    assert not list(norm.state_dict())                            # checkpoints keep their keys
+    assert torch.allclose(norm.eval()(x), y)                      # no running statistics to switch to
+
+
+def test_bottleneck_norm_keeps_the_head_keys_and_can_be_turned_off(tmp_path):
+    from resmlp.ssl.head import BatchStandardize, build_head
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", "dino.bottleneck_norm=none", f"out={tmp_path}"])
+    plain = build_head(16, cfg.dino)
+    assert not any(isinstance(m, BatchStandardize) for m in plain.modules())  # DINO's head as published
+    cfg.dino.bottleneck_norm = "batchnorm"
+    normed = build_head(16, cfg.dino)
+    assert any(isinstance(m, BatchStandardize) for m in normed.modules())
+    assert list(plain.state_dict()) == list(normed.state_dict())  # checkpoints load either way
+    frozen = [n for n, p in normed.named_parameters() if not p.requires_grad]
+    assert "layers.4.bias" in frozen  # the shift the standardization removes is not trained
+    assert "layers.4.bias" not in [n for n, p in plain.named_parameters() if not p.requires_grad]
+    cfg.dino.bottleneck_norm = "layernorm"
+    with pytest.raises(UserError, match="dino.bottleneck_norm"):
+        build_head(16, cfg.dino)
+
+
+def test_every_dino_preset_has_the_bottleneck_norm(tmp_path):
+    for overrides in (["demo=true"], ["demo=false"], ["data=imagenet"], ["data=cifar10", "demo=false"]):
+        cfg = load_config("dino", "resmlp_s12", [*overrides, f"out={tmp_path}"])
+        assert cfg.dino.bottleneck_norm == "batchnorm", overrides
+
+
+def test_collapse_watch_warns_once_per_episode_and_names_the_knob():
+    watch = CollapseWatch(threshold=0.35, patience=3)
+    said = [watch.update(kl) for kl in (1.0, 0.3, 0.2, 0.9, 0.3, 0.2, 0.1, 0.1, 0.1)]
+    # the dip at lines 2-3 is too short; the one from line 5 on warns once, at its third line
+    assert [i for i, s in enumerate(said) if s] == [6]
+    assert "dino.bottleneck_norm=batchnorm" in said[6]
+    assert watch.update(0.5) is None and watch.update(0.1) is None  # back up: a new episode starts
+    assert "optim.lr" in [CollapseWatch(0.35, 1, "batchnorm").update(0.1)][0]
+    assert all(CollapseWatch(0.0, 1).update(kl) is None for kl in (0.0, 0.1))  # 0 turns it off
+    with pytest.raises(ValueError):
+        CollapseWatch(0.35, 0)
+
+
+# ---- the runs ----------------------------------------------------------------------------
+@needs_fmnist
+def test_published_head_collapses_and_the_watch_says_so_while_it_happens(tmp_path):
+    stdout, logs, _ = _dino(tmp_path / "none", "dino.bottleneck_norm=none")
+    kl = [r["teacher_kl_mean"] for r in logs]
+    assert min(kl) < 0.35, kl                                    # the drift to uniform targets happens
+    warned = [i for i, line in enumerate(stdout.splitlines()) if "DINO is collapsing" in line]
+    assert warned, stdout[-2000:]
+    assert "dino.bottleneck_norm=batchnorm" in stdout.splitlines()[warned[0]]
+    last_log = max(i for i, line in enumerate(stdout.splitlines()) if line.startswith("ep "))
+    assert warned[0] < last_log                                  # during the run, not after it
+
+
+@needs_fmnist
+def test_dino_keeps_learning_on_a_tiny_resmlp_with_the_bottleneck_norm(tmp_path):
+    stdout, logs, results = _dino(tmp_path / "fix")
+    kl = [r["teacher_kl_mean"] for r in logs]
+    assert min(kl[2:]) > KL_FLOOR, kl                           # targets keep depending on the image
+    assert "DINO is collapsing" not in stdout
+    assert results["knn_top1"] > results["init_knn_top1"] + KNN_MARGIN, results
+
+
+# Measured on this recipe (docs/dino_learning.md): with the bottleneck norm the KL never fell
+# under 0.80 and k-NN rose by 5.3 points; with the published head it fell to 0.18 and k-NN
+# rose by 0.9.
+KL_FLOOR, KNN_MARGIN = 0.6, 3.0
