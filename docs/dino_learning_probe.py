@@ -22,6 +22,7 @@ Interventions for the study, by environment variable (none is a project option):
     BOTTLENECK_BN=1       torch's BatchNorm1d (no affine) on the bottleneck output
     BACKBONE=<timm name>  a timm model as backbone (its 16 px local crops go through as they are)
     BACKBONE_NORM=gn      ... with GroupNorm(1 group) in place of its BatchNorm
+    NO_PHOTOMETRIC=1      the device augmentation without color jitter and solarization
 """
 import json
 import math
@@ -166,6 +167,14 @@ def build_dino_step(cfg, *args, **kwargs):
 
 
 networks.build_head = build_head
+if os.environ.get("NO_PHOTOMETRIC"):
+    import resmlp.data.gpu_augment as gpu_augment
+    _init = gpu_augment.GpuMultiCrop.__init__
+
+    def _init_without_photometric(self, *args, **kwargs):
+        _init(self, *args, **{**kwargs, "jitter_prob": 0.0, "solarize_prob": 0.0})
+
+    gpu_augment.GpuMultiCrop.__init__ = _init_without_photometric
 from_config.build_model = build_model
 dino_train.build_dino_step = build_dino_step
 
