@@ -23,6 +23,7 @@ Interventions for the study, by environment variable (none is a project option):
     BACKBONE=<timm name>  a timm model as backbone (its 16 px local crops go through as they are)
     BACKBONE_NORM=gn      ... with GroupNorm(1 group) in place of its BatchNorm
     NO_PHOTOMETRIC=1      the device augmentation without color jitter and solarization
+    POOLING=class_mlp     the ResMLP's pooling (a builder option the model: section lacks)
 """
 import json
 import math
@@ -167,6 +168,9 @@ def build_dino_step(cfg, *args, **kwargs):
 
 
 networks.build_head = build_head
+if os.environ.get("POOLING"):
+    _model_kwargs = from_config.model_kwargs
+    from_config.model_kwargs = lambda cfg: {**_model_kwargs(cfg), "pooling": os.environ["POOLING"]}
 if os.environ.get("NO_PHOTOMETRIC"):
     import resmlp.data.gpu_augment as gpu_augment
     _init = gpu_augment.GpuMultiCrop.__init__
