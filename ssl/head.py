@@ -17,6 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from resmlp.core import dist
+from resmlp.core.errors import UserError
+
 
 BOTTLENECK_NORMS = ("batchnorm", "none")
 
@@ -37,7 +40,6 @@ class BatchStandardize(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from resmlp.core import dist
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 at least
         moments = torch.stack([x32.sum(0), (x32 * x32).sum(0)])
         rows = x.shape[0] * dist.world_size()  # every process holds a batch of the same size
@@ -56,8 +58,6 @@ def build_head(in_dim: int, dino_cfg) -> nn.Module:
     """lightly's DINO head for `in_dim` backbone features, sized by the `dino:` section,
     with `BatchStandardize` after the bottleneck when dino.bottleneck_norm=batchnorm."""
     from lightly.models.modules import DINOProjectionHead
-
-    from resmlp.core.errors import UserError
     norm = dino_cfg.get("bottleneck_norm", "none")
     if norm not in BOTTLENECK_NORMS:
         raise UserError(f"dino.bottleneck_norm={norm!r} is not one of {', '.join(BOTTLENECK_NORMS)}")

@@ -43,20 +43,6 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> di
     return out
 
 
-def pixel_knn_report(run, cfg) -> dict:
-    """The same k-NN on raw pixels (the eval transform's normalized images, flattened),
-    against the same bank: the bar that features must clear to say more about the classes
-    than the pixels already do."""
-    from resmlp.eval.knn import online_knn
-    temp = float(cfg.knn.temperature)
-    res = online_knn(torch.nn.Flatten(), cfg.data, run.device, ks=(20,), temperature=temp,
-                     batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
-                     backend=cfg.knn.backend, amp_dtype=torch.float32)
-    run.print(f"[raw pixels] knn top1={res['knn_top1']:.2f} top5={res['knn_top5']:.2f} (k=20, T={temp:g}, "
-              f"the same {res['n_train']}-image bank)")
-    return {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"]}
-
-
 def train(cfg):
     """Run DINO and return (run, student, teacher, results). `run(cfg)` is the CLI entry."""
     demo = bool(cfg.demo)
@@ -95,8 +81,8 @@ def train(cfg):
     start_it, results = run.restore(**state)
     if not start_it and (demo or cfg.eval_every):
         results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
-    if demo and "pixels" not in results:
-        results["pixels"] = pixel_knn_report(run, cfg)
+    if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
+        results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
     collapse = CollapseWatch(cfg.dino.collapse_kl, cfg.dino.collapse_patience, cfg.dino.bottleneck_norm)
