@@ -24,6 +24,10 @@ Interventions for the study, by environment variable (none is a project option):
     BACKBONE_NORM=gn      ... with GroupNorm(1 group) in place of its BatchNorm
     NO_PHOTOMETRIC=1      the device augmentation without color jitter and solarization
     POOLING=class_mlp     the ResMLP's pooling (a builder option the model: section lacks)
+    WHITEN=a              the standardized bottleneck also decorrelated over the batch (Cholesky
+                          whitening of its correlation matrix shrunk toward the identity by a)
+    KOLEO=w               DINOv2's KoLeo term (lightly's KoLeoLoss) on the student's pooled
+                          features, each global crop's batch on its own, weighted by w
 """
 import json
 import math
@@ -72,6 +76,38 @@ class Center(nn.Module):
         return x - x.mean(0, keepdim=True)
 
 
+class Whiten(nn.Module):
+    """After BatchStandardize: z -> z L^-T with L L^T = (1 - a) corr(z) + a I (one process)."""
+
+    def __init__(self, a: float):
+        super().__init__()
+        self.a = a
+
+    def forward(self, z):
+        c = (z.t() @ z) / z.shape[0]
+        c = (1 - self.a) * c + self.a * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+        return torch.linalg.solve_triangular(torch.linalg.cholesky(c), z.t(), upper=False).t()
+
+
+class KoLeoAdded(nn.Module):
+    """The DINO loss plus w * KoLeo of each global crop's pooled student features, which
+    `features` (filled by a hook on the student's backbone) holds for the current step."""
+
+    def __init__(self, dino_loss: nn.Module, w: float, features: dict):
+        super().__init__()
+        from lightly.loss import KoLeoLoss
+        self.dino_loss, self.w, self.features, self.koleo = dino_loss, w, features, KoLeoLoss()
+
+    @property
+    def center(self):
+        return self.dino_loss.center
+
+    def forward(self, t_out, s_out, teacher_temp):
+        f = self.features.pop("global").float()
+        return (self.dino_loss(t_out, s_out, teacher_temp=teacher_temp)
+                + self.w * sum(self.koleo(c) for c in f.chunk(2)))
+
+
 _build_head = networks.build_head
 
 
@@ -95,6 +131,8 @@ def build_head(in_dim, dino_cfg):
         after.append(Center())
     if os.environ.get("BOTTLENECK_BN"):
         after.append(nn.BatchNorm1d(dino_cfg.bottleneck_dim, affine=False))
+    if os.environ.get("WHITEN"):
+        after.append(Whiten(float(os.environ["WHITEN"])))
     if before or after:
         head.layers = nn.Sequential(*before, *head.layers, *after)
     return head
@@ -164,6 +202,14 @@ def build_dino_step(cfg, *args, **kwargs):
 
     teacher.backbone.register_forward_hook(on_backbone)
     head.layers.register_forward_hook(on_head)
+    if os.environ.get("KOLEO"):
+        student_features = {}
+
+        def on_student_backbone(module, inputs, output):
+            student_features.setdefault("global", output)  # the first call of a step: the global crops
+
+        step.raw_student.backbone.register_forward_hook(on_student_backbone)
+        step.loss_fn = KoLeoAdded(step.loss_fn, float(os.environ["KOLEO"]), student_features)
     return step
 
 

@@ -1,0 +1,64 @@
+"""How much of a DINO checkpoint's features the k-NN protocol can see (docs/dino_learning.md).
+
+    python docs/dino_learning_spectrum.py <checkpoint or run dir> [...]
+
+For raw pixels and then each checkpoint's teacher backbone, on the eval transform of the
+checkpoint's own training images (its data.subset) and the test images: the share of the
+centered bank features' variance in their top direction, DINO's k-NN (cosine on the
+features as they are, k=20, T=0.07), and the same k-NN after whitening the top WHITEN_DIMS
+(64) directions of the bank's PCA. The whitened k-NN is a diagnostic of what the features
+hold, not an evaluation protocol: the project reports DINO's.
+"""
+import os
+import sys
+
+import torch
+from omegaconf import OmegaConf
+
+import resmlp.data as rdata
+from resmlp.eval.features import extract_features
+from resmlp.eval.knn import knn_evaluate
+from resmlp.models.checkpoints import load_backbone
+
+DIMS = int(os.environ.get("WHITEN_DIMS", "64"))
+
+
+def features(model, data_cfg, split):
+    ds = rdata.build_dataset(data_cfg, split, transform=rdata.build_eval_transform(data_cfg))
+    loader = rdata.build_loader(ds, 256, train=False, num_workers=0, seed=0)
+    return extract_features(model, loader, torch.device("cpu"), torch.float32, desc=split)
+
+
+def report(name, model, data_cfg):
+    (ftr, ytr), (fte, yte) = features(model, data_cfg, "train"), features(model, data_cfg, "test")
+    ftr, fte = ftr.double(), fte.double()
+    mean = ftr.mean(0)
+    _, s, v = torch.linalg.svd(ftr - mean, full_matrices=False)
+    top = (s[0] ** 2 / (s ** 2).sum()).item()
+    r = min(DIMS, len(s))
+    whiten = v[:r].t() / (s[:r] / len(ftr) ** 0.5 + 1e-6)
+    n_cls = int(rdata.num_classes(data_cfg))
+
+    def knn(a, b):
+        return knn_evaluate(a.float(), ytr, b.float(), yte, n_cls, ks=(20,), backend="torch")[20]["top1"]
+
+    print(f"{name}: top direction {top:.2f} of the variance; k-NN {knn(ftr, fte):.2f} as is, "
+          f"{knn((ftr - mean) @ whiten, (fte - mean) @ whiten):.2f} whitened ({r} directions)", flush=True)
+
+
+def main(paths):
+    torch.set_grad_enabled(False)
+    data_cfg = None
+    for path in paths:
+        model, info = load_backbone(path, key="teacher")
+        cfg = OmegaConf.create(info["config"]) if info.get("config") else None
+        if data_cfg is None:
+            if cfg is None:
+                sys.exit(f"{path}: no saved config to take the data from")
+            data_cfg = cfg.data
+            report("raw pixels", torch.nn.Flatten(), data_cfg)
+        report(path, model.eval(), data_cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
