@@ -16,34 +16,27 @@ import torch
 from omegaconf import OmegaConf
 
 import resmlp.data as rdata
-from resmlp.eval.features import extract_features
-from resmlp.eval.knn import knn_evaluate
+from resmlp.eval.knn import knn_evaluate, online_knn
 from resmlp.models.checkpoints import load_backbone
 
 DIMS = int(os.environ.get("WHITEN_DIMS", "64"))
 
 
-def features(model, data_cfg, split):
-    ds = rdata.build_dataset(data_cfg, split, transform=rdata.build_eval_transform(data_cfg))
-    loader = rdata.build_loader(ds, 256, train=False, num_workers=0, seed=0)
-    return extract_features(model, loader, torch.device("cpu"), torch.float32, desc=split)
-
-
 def report(name, model, data_cfg):
-    (ftr, ytr), (fte, yte) = features(model, data_cfg, "train"), features(model, data_cfg, "test")
+    # the trainer's own k-NN (and its features): the "as is" figure is the demo's
+    res = online_knn(model, data_cfg, torch.device("cpu"), ks=(20,), backend="torch",
+                     amp_dtype=torch.float32, keep_features=True)
+    (ftr, ytr), (fte, yte) = res["features"]["train"], res["features"]["test"]
     ftr, fte = ftr.double(), fte.double()
     mean = ftr.mean(0)
     _, s, v = torch.linalg.svd(ftr - mean, full_matrices=False)
     top = (s[0] ** 2 / (s ** 2).sum()).item()
     r = min(DIMS, len(s))
     whiten = v[:r].t() / (s[:r] / len(ftr) ** 0.5 + 1e-6)
-    n_cls = int(rdata.num_classes(data_cfg))
-
-    def knn(a, b):
-        return knn_evaluate(a.float(), ytr, b.float(), yte, n_cls, ks=(20,), backend="torch")[20]["top1"]
-
-    print(f"{name}: top direction {top:.2f} of the variance; k-NN {knn(ftr, fte):.2f} as is, "
-          f"{knn((ftr - mean) @ whiten, (fte - mean) @ whiten):.2f} whitened ({r} directions)", flush=True)
+    whitened = knn_evaluate(((ftr - mean) @ whiten).float(), ytr, ((fte - mean) @ whiten).float(), yte,
+                            int(rdata.num_classes(data_cfg)), ks=(20,), backend="torch")[20]["top1"]
+    print(f"{name}: top direction {top:.2f} of the variance; k-NN {res['knn_top1']:.2f} as is, "
+          f"{whitened:.2f} whitened ({r} directions)", flush=True)
 
 
 def main(paths):
@@ -51,11 +44,10 @@ def main(paths):
     data_cfg = None
     for path in paths:
         model, info = load_backbone(path, key="teacher")
-        cfg = OmegaConf.create(info["config"]) if info.get("config") else None
-        if data_cfg is None:
-            if cfg is None:
+        if data_cfg is None:  # the first checkpoint's training data is every row's bank
+            if not info.get("config"):
                 sys.exit(f"{path}: no saved config to take the data from")
-            data_cfg = cfg.data
+            data_cfg = OmegaConf.create(info["config"]).data
             report("raw pixels", torch.nn.Flatten(), data_cfg)
         report(path, model.eval(), data_cfg)
 
