@@ -11,19 +11,21 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 
 @torch.no_grad()
-def teacher_stats(teacher_out: torch.Tensor, center: torch.Tensor, temp: float) -> dict:
-    """Mean entropy of the teacher's targets softmax((t - c)/temp), and their mean KL to
-    the batch's mean target (how much the targets depend on the image), as 0-dim tensors
-    on the output's device: reading them is left to the caller (a host sync)."""
-    logp = F.log_softmax((teacher_out.float() - center.reshape(1, -1)) / temp, dim=-1)
-    p = logp.exp()
-    entropy = -(p * logp).sum(-1).mean()
+def teacher_stats(targets: torch.Tensor) -> dict:
+    """Mean entropy of the teacher's targets (N, K) as the loss uses them (ssl.loss.DinoLoss.
+    targets: after the mean centering or Sinkhorn-Knopp), and their mean KL to the batch's
+    mean target (how much the targets depend on the image), as 0-dim tensors on the
+    targets' device: reading them is left to the caller (a host sync). Sinkhorn-Knopp
+    spreads the batch's mean target over the prototypes, but a KL of 0 still means the same
+    target for every image, so the collapse watch reads it under either centering."""
+    p = targets.float()
+    p_log_p = torch.special.xlogy(p, p)  # 0 where a probability underflowed to 0
+    entropy = -p_log_p.sum(-1).mean()
     log_mean = p.mean(0, keepdim=True).clamp_min(1e-30).log()
-    kl = (p * (logp - log_mean)).sum(-1).mean()
+    kl = (p_log_p - p * log_mean).sum(-1).mean()
     return {"teacher_entropy": entropy, "teacher_kl_mean": kl}
 
 

@@ -1,20 +1,91 @@
-"""DINO's loss: lightly's DINOLoss, which keeps the teacher's center.
+"""DINO's loss, with the teacher's targets centered as DINO does or as DINOv2 does.
 
-For teacher outputs t_i (the 2 global views) and student outputs s_v (all views):
+For teacher targets q_i (the 2 global views) and student outputs s_v (all views):
 
-    loss = mean over pairs (i, v), v != i, of  sum_k -softmax((t_i - c) / T_t)_k log softmax(s_v / T_s)_k
+    loss = mean over pairs (i, v), v != i, of  sum_k -q_ik log softmax(s_v / T_s)_k
 
-and after each call the center moves: c <- m c + (1 - m) mean(t) (m = center_momentum,
-all-reduced over processes by the trainer's DDP setup). The teacher temperature T_t is
-passed per call (its warm-up schedule lives in the trainer). tests/test_dino.py checks it
-against a plain implementation of DINO's definition.
+`dino.centering` says how the teacher's outputs t_i become the targets q_i:
+
+- `mean` (DINO): q_i = softmax((t_i - c) / T_t), and after each call the center moves:
+  c <- m c + (1 - m) mean(t) (m = center_momentum). lightly's DINOLoss computes both, its
+  center update all-reduced over processes by lightly itself.
+- `sinkhorn` (DINOv2): q = Sinkhorn-Knopp of exp(t / T_t) over the global batch (every
+  process's rows of both global views together): the rows of q are each image's target and
+  every prototype gets the same share of the batch, which no uniform or one-hot output can
+  satisfy. lightly's positionwise Sinkhorn-Knopp (CAPI's) with one position is DINOv2's
+  algorithm (three iterations, all-reduced); it also shifts each prototype's logits by
+  their maximum over the batch first, which the normalization cancels, so large logits
+  (norm_last_layer=false) cannot overflow. No center is used; the buffer stays, at zero,
+  so that checkpoints have the same keys under either centering.
+
+`dino.koleo_weight` > 0 adds DINOv2's KoLeo term (lightly's KoLeoLoss) on the student's pooled
+features of each global view, per process as DINOv2 computes it: it pushes each image's
+feature away from its nearest neighbour in the batch, spreading the features.
+
+The teacher temperature T_t is passed per call (its warm-up schedule lives in the
+trainer). tests/test_dino.py checks both against plain implementations.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from resmlp.core.errors import UserError
+
+CENTERINGS = ("mean", "sinkhorn")
+SINKHORN_ITERATIONS = 3  # DINOv2's
+
+
+class DinoLoss(nn.Module):
+    """`targets(t, T_t)` gives the teacher's targets (probabilities, one row per image),
+    `forward` the loss; the step computes the targets once and passes them to both the
+    loss and the health statistics, so that the collapse watch reads what is trained on."""
+
+    def __init__(self, dino_cfg):
+        super().__init__()
+        from lightly.loss import DINOLoss, KoLeoLoss
+        self.centering = dino_cfg.get("centering", "mean")
+        if self.centering not in CENTERINGS:
+            raise UserError(f"dino.centering={self.centering!r} is not one of {', '.join(CENTERINGS)}")
+        self.student_temp = float(dino_cfg.student_temp)
+        self.dino = DINOLoss(dino_cfg.out_dim, student_temp=self.student_temp,
+                             center_momentum=dino_cfg.center_momentum, warmup_teacher_temp_epochs=0)
+        self.koleo_loss = KoLeoLoss()
+
+    @property
+    def center(self) -> torch.Tensor:
+        return self.dino.center
+
+    @torch.no_grad()
+    def targets(self, teacher_out: torch.Tensor, teacher_temp: float) -> torch.Tensor:
+        """(N, K) teacher outputs of this process -> (N, K) targets, each row summing to 1."""
+        t = teacher_out.float()
+        if self.centering == "mean":
+            return F.softmax((t - self.center.reshape(1, -1)) / teacher_temp, dim=-1)
+        from lightly.loss.capi_loss import sinkhorn_knopp
+        q = sinkhorn_knopp((t / teacher_temp).unsqueeze(1), iterations=SINKHORN_ITERATIONS, gather_distributed=True)
+        return q.squeeze(1)
+
+    def forward(self, teacher_out: list[torch.Tensor], student_out: list[torch.Tensor], teacher_temp: float,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss over every (teacher view, other student view) pair. `targets`: what
+        `targets` gave for torch.cat(teacher_out), computed here when not passed."""
+        if self.centering == "mean":
+            return self.dino(teacher_out, student_out, teacher_temp=teacher_temp)  # moves the center
+        if targets is None:
+            targets = self.targets(torch.cat(teacher_out), teacher_temp)
+        q = targets.view(len(teacher_out), -1, targets.shape[-1])
+        log_p = F.log_softmax(torch.stack(student_out).float() / self.student_temp, dim=-1)
+        cross = -torch.einsum("tbk,sbk->ts", q, log_p) / q.shape[1]  # (teacher view, student view)
+        cross.fill_diagonal_(0)  # a view is not its own target
+        return cross.sum() / (cross.numel() - min(cross.shape))
+
+    def koleo(self, global_features: torch.Tensor) -> torch.Tensor:
+        """KoLeo of the student's pooled features of the 2 global views ((2B, D), view by
+        view), summed over the views as DINOv2 does; unweighted."""
+        return sum(self.koleo_loss(f) for f in global_features.float().chunk(2))
 
 
 def build_dino_loss(dino_cfg) -> nn.Module:
-    from lightly.loss import DINOLoss
-    return DINOLoss(dino_cfg.out_dim, student_temp=dino_cfg.student_temp,
-                    center_momentum=dino_cfg.center_momentum, warmup_teacher_temp_epochs=0)
+    return DinoLoss(dino_cfg)

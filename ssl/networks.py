@@ -7,6 +7,9 @@ ResMLP the smaller local crops only pass when the backbone's `grid_adapt` is
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
@@ -21,7 +24,10 @@ class MultiCropNet(nn.Module):
         self.backbone = backbone
         self.head = head
 
-    def forward(self, crops: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, crops: list[torch.Tensor], global_features: bool = False):
+        """The head's outputs of every crop, in the crops' order; with global_features,
+        also the pooled backbone features of the first two crops (the global views), for
+        a loss on them (KoLeo)."""
         features, start = [], 0
         while start < len(crops):
             end = start
@@ -29,24 +35,49 @@ class MultiCropNet(nn.Module):
                 end += 1
             features.append(self.backbone(torch.cat(crops[start:end])))
             start = end
-        return head_forward(self.head, torch.cat(features))
+        out = head_forward(self.head, torch.cat(features))
+        if global_features:
+            return out, features[0][:2 * crops[0].shape[0]]
+        return out
 
 
-def build_networks(cfg, device):
+@dataclass
+class DinoHooks:
+    """The DINO trainer's extension points for studies (studies/), passed to
+    `resmlp.ssl.train.train(cfg, hooks)`; each is called where noted, and None changes
+    nothing. They let a study try a variant of the method without editing the package or
+    replacing its functions at run time.
+
+    backbone(model_cfg) -> nn.Module: builds each backbone (student, and teacher with
+        drop_path_rate 0) in place of models.from_config.build_model.
+    head(head, dino_cfg) -> nn.Module: receives each head as built (student and teacher
+        alike) and returns the head to use.
+    views(views, cfg): once the data path (ssl.crop_plan.DinoViews) is built.
+    step(step, cfg): once the step (ssl.step.DinoStep) is built, before any iteration.
+    """
+    backbone: Callable | None = None
+    head: Callable | None = None
+    views: Callable | None = None
+    step: Callable | None = None
+
+
+def build_networks(cfg, device, hooks: DinoHooks | None = None):
     """Student and teacher: same backbone + head; the teacher is a separate build that
     loads the student's weights (lightly's weight-normed head cannot be deep-copied)."""
     from resmlp.models.from_config import build_model
-    student_backbone = build_model(cfg.model, num_classes=0)
-    teacher_cfg = OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0})
-    teacher_backbone = build_model(teacher_cfg, num_classes=0)
+    hooks = hooks or DinoHooks()
+    backbone = hooks.backbone or (lambda model_cfg: build_model(model_cfg, num_classes=0))
+    student_backbone = backbone(cfg.model)
+    teacher_backbone = backbone(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}))
     if cfg.dino.local_crops in ("interpolate", "subgrid"):
         if not hasattr(student_backbone, "grid_adapt"):
             raise UserError(f"dino.local_crops={cfg.dino.local_crops} needs a ResMLP backbone; "
                             f"use resize or none for {cfg.model.name}")
         student_backbone.grid_adapt = cfg.dino.local_crops
     dim = student_backbone.num_features
-    student = MultiCropNet(student_backbone, build_head(dim, cfg.dino)).to(device)
-    teacher = MultiCropNet(teacher_backbone, build_head(dim, cfg.dino)).to(device)
+    head = hooks.head or (lambda h, dino_cfg: h)
+    student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino)).to(device)
+    teacher = MultiCropNet(teacher_backbone, head(build_head(dim, cfg.dino), cfg.dino)).to(device)
     teacher.load_state_dict(student.state_dict())
     for p in teacher.parameters():
         p.requires_grad_(False)

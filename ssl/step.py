@@ -1,7 +1,8 @@
 """One DINO optimization step, built once by `build_dino_step` for the trainer and the benchmark.
 
-    teacher(2 global crops), student(all crops) -> loss (fp32) -> backward -> per-parameter
-    clipping -> frozen last layer in the first epoch(s) -> AdamW -> EMA of the teacher
+    teacher(2 global crops), student(all crops) -> teacher targets (mean or Sinkhorn-Knopp
+    centering) -> loss (fp32; + KoLeo) -> backward -> per-parameter clipping -> frozen last
+    layer in the first epoch(s) -> AdamW -> EMA of the teacher
 
 The step never waits for the device: nothing in it reads a tensor's value on the host.
 The loss, the teacher's health statistics and the non-finite flag accumulate on the
@@ -28,12 +29,13 @@ from resmlp.ssl.health import teacher_stats
 class DinoStep:
     student: nn.Module          # as trained: the MultiCropNet, possibly wrapped in DDP
     teacher: nn.Module
-    loss_fn: nn.Module          # lightly's DINOLoss (it keeps the center)
+    loss_fn: nn.Module          # ssl.loss.DinoLoss (it keeps the center)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     n_crops: int
     clip_grad: float = 3.0
     autocast: object = contextlib.nullcontext
+    koleo_weight: float = 0.0   # DINOv2's KoLeo on the student's pooled global-crop features
     forward_student: object = None   # torch.compile'd versions, when compiling
     forward_teacher: object = None
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
@@ -53,12 +55,21 @@ class DinoStep:
             teacher = self.teacher if self.forward_teacher is None else self.forward_teacher
             student = self.student if self.forward_student is None else self.forward_student
             t_out = teacher(crops[:2])
-            s_out = student(crops)
+            if self.koleo_weight:
+                s_out, s_features = student(crops, global_features=True)
+            else:
+                s_out = student(crops)
         # The head's last layer already ran in fp32 (head.head_forward); so does the
         # loss: a softmax over tens of thousands of prototypes is not for bf16.
         center = self.loss_fn.center.detach().clone()
-        loss = self.loss_fn(list(t_out.float().chunk(2)), list(s_out.float().chunk(self.n_crops)),
-                            teacher_temp=teacher_temp)
+        t_out = t_out.float()
+        targets = self.loss_fn.targets(t_out, teacher_temp)  # with the center before this step moves it
+        loss = self.loss_fn(list(t_out.chunk(2)), list(s_out.float().chunk(self.n_crops)),
+                            teacher_temp=teacher_temp, targets=targets)
+        stats = {}
+        if self.koleo_weight:
+            stats["koleo"] = self.loss_fn.koleo(s_features)
+            loss = loss + self.koleo_weight * stats["koleo"]
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -68,7 +79,7 @@ class DinoStep:
         self.scaler.update()
         update_teacher(self.teacher, self.raw_student, momentum)
         loss, t_out = loss.detach(), t_out.detach()
-        self.tally.add(loss, **teacher_stats(t_out, center, teacher_temp))
+        self.tally.add(loss, **teacher_stats(targets), **stats)
         return loss, t_out, center
 
     def read(self) -> dict:
@@ -103,14 +114,14 @@ def build_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optim
 
 
 def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | None = None,
-                    autocast=contextlib.nullcontext, world_size: int = 1) -> DinoStep:
-    """Student, teacher, lightly's loss, AdamW, DDP and torch.compile as `cfg` says:
-    the step the trainer runs and the benchmark times."""
+                    autocast=contextlib.nullcontext, world_size: int = 1, hooks=None) -> DinoStep:
+    """Student, teacher, the loss, AdamW, DDP and torch.compile as `cfg` says: the step
+    the trainer runs and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies)."""
     from resmlp.ssl.crop_plan import crop_plan
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
     plan = crop_plan(cfg)
-    student, teacher = build_networks(cfg, device)
+    student, teacher = build_networks(cfg, device, hooks)
     loss_fn = build_dino_loss(cfg.dino).to(device)
     optimizer = build_optimizer(student, device)
     trained = student
@@ -119,7 +130,8 @@ def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | No
             student, device_ids=[device.index] if device.type == "cuda" else None)
     step = DinoStep(trained, teacher, loss_fn, optimizer,
                     scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False),
-                    plan.n_crops, float(cfg.optim.clip_grad), autocast)
+                    plan.n_crops, float(cfg.optim.clip_grad), autocast,
+                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)))
     if cfg.compile:
         step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
     return step

@@ -18,6 +18,7 @@ from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.resumable import build_train_loader
 from resmlp.ssl.crop_plan import build_views, crop_plan
 from resmlp.ssl.health import CollapseWatch, collapse_warning
+from resmlp.ssl.networks import DinoHooks
 from resmlp.ssl.step import build_dino_step
 
 
@@ -43,8 +44,10 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> di
     return out
 
 
-def train(cfg):
-    """Run DINO and return (run, student, teacher, results). `run(cfg)` is the CLI entry."""
+def train(cfg, hooks: DinoHooks | None = None):
+    """Run DINO and return (run, student, teacher, results). `run(cfg)` is the CLI entry;
+    `hooks` are a study's extension points (ssl.networks.DinoHooks)."""
+    hooks = hooks or DinoHooks()
     demo = bool(cfg.demo)
     run = Run(cfg)
     if demo:
@@ -61,10 +64,14 @@ def train(cfg):
     loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
                                          pin_memory=device.type == "cuda", keyed=views.keyed,
                                          collate_fn=views.collate)
+    if hooks.views:
+        hooks.views(views, cfg)
     ipe = sampler.batches_per_epoch
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, device, run.scaler, run.autocast, run.world_size)
+    step = build_dino_step(cfg, device, run.scaler, run.autocast, run.world_size, hooks)
+    if hooks.step:
+        hooks.step(step, cfg)
     student, teacher = step.student, step.teacher
 
     # ---- schedules, per iteration ---------------------------------------------------------
@@ -116,7 +123,9 @@ def train(cfg):
                     run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
                               f"lr {record['lr']:.2e} wd {record['wd']:.3f} m {record['momentum']:.4f} "
                               f"T_t {record['teacher_temp']:.3f} H_t {record['teacher_entropy']:.2f} "
-                              f"KL {record['teacher_kl_mean']:.3f} {record['images_per_s']:.0f} img/s")
+                              f"KL {record['teacher_kl_mean']:.3f}"
+                              + (f" KoLeo {record['koleo']:.3f}" if "koleo" in record else "")
+                              + f" {record['images_per_s']:.0f} img/s")
                 warning = collapse.update(record["teacher_kl_mean"])
                 if warning:
                     run.print(f"warning: {warning}")

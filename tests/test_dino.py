@@ -83,18 +83,21 @@ def test_clip_per_parameter_matches_dino():
 
 
 def test_health_signals_see_both_collapses():
-    """Entropy and KL-to-center of the teacher's output, and the warning for each collapse."""
+    """Entropy and KL-to-batch-mean of the teacher's targets, and the warning for each collapse."""
     import math
 
     from resmlp.ssl.health import collapse_warning, teacher_stats
     K, temp = 64, 0.04
     center = torch.randn(1, K)
-    uniform = teacher_stats(center.repeat(8, 1), center, temp)  # output = center: uniform targets
+
+    def targets(t):  # DINO's: the centered, sharpened softmax
+        return F.softmax((t - center) / temp, dim=-1)
+    uniform = teacher_stats(targets(center.repeat(8, 1)))  # output = center: uniform targets
     assert uniform["teacher_entropy"] == pytest.approx(math.log(K), abs=1e-4)
     assert uniform["teacher_kl_mean"] == pytest.approx(0.0, abs=1e-4)
-    same = teacher_stats(center + 10 * F.one_hot(torch.full((8,), 3), K), center, temp)  # one class for all
+    same = teacher_stats(targets(center + 10 * F.one_hot(torch.full((8,), 3), K)))  # one class for all
     assert same["teacher_entropy"] < 1e-3 and same["teacher_kl_mean"] == pytest.approx(0.0, abs=1e-3)
-    own = teacher_stats(center + 10 * F.one_hot(torch.arange(8), K), center, temp)  # healthy: sharp, diverse
+    own = teacher_stats(targets(center + 10 * F.one_hot(torch.arange(8), K)))  # healthy: sharp, diverse
     assert own["teacher_entropy"] < 1e-3 and own["teacher_kl_mean"] == pytest.approx(math.log(8), abs=1e-3)
     assert "near uniform" in collapse_warning(0.99 * math.log(K), K)
     assert "one-hot" in collapse_warning(0.01 * math.log(K), K)

@@ -1,0 +1,160 @@
+"""DINOv2's answers as options of the DINO trainer: Sinkhorn-Knopp centering of the
+teacher's targets against a plain implementation (one process and two gloo processes),
+KoLeo on the student's pooled global features, and their config checks."""
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from resmlp.core import cli
+from resmlp.core.config import load_config
+from resmlp.ssl.loss import DinoLoss
+
+TEMP = 0.04
+
+
+def loss_cfg(centering: str, out_dim: int = 40):
+    return OmegaConf.create({"out_dim": out_dim, "student_temp": 0.1, "center_momentum": 0.9,
+                             "centering": centering})
+
+
+def plain_sinkhorn(t: torch.Tensor, temp: float, iterations: int = 3) -> torch.Tensor:
+    """DINOv2's sinkhorn_knopp_teacher as its paper describes it, on one process, in float64:
+    alternate normalizing each prototype's mass over the batch and each image's row."""
+    q = torch.exp(t.double() / temp)
+    q = q / q.sum()
+    n, k = q.shape
+    for _ in range(iterations):
+        q = q / q.sum(0, keepdim=True) / k   # every prototype gets 1/K of the mass
+        q = q / q.sum(1, keepdim=True) / n   # every image 1/N
+    return q * n                             # rows: each image's target distribution
+
+
+def test_sinkhorn_targets_match_a_plain_implementation():
+    torch.manual_seed(0)
+    t = torch.randn(24, 40)
+    small = t * 0.3  # within [-1, 1] as with the normalized last layer
+    got = DinoLoss(loss_cfg("sinkhorn")).targets(small, TEMP)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), plain_sinkhorn(small, TEMP), atol=1e-6)
+    assert torch.allclose(got.sum(1), torch.ones(24), atol=1e-5)  # a distribution per image
+    # logits whose exp overflows in fp32 (a last layer whose norm is trained): still finite, the same
+    assert not torch.isfinite(torch.exp(t / TEMP)).all()
+    got = DinoLoss(loss_cfg("sinkhorn")).targets(t, TEMP)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.double(), plain_sinkhorn(t, TEMP), atol=1e-4)
+
+
+def test_mean_targets_are_dinos_and_sinkhorn_uses_no_center():
+    torch.manual_seed(0)
+    t = torch.randn(8, 40)
+    loss = DinoLoss(loss_cfg("mean"))
+    loss.center.normal_()
+    want = F.softmax((t - loss.center.reshape(1, -1)) / TEMP, dim=-1)
+    assert torch.allclose(loss.targets(t, TEMP), want, atol=1e-6)
+    sk = DinoLoss(loss_cfg("sinkhorn"))
+    sk(list(t.chunk(2)), list(torch.randn(12, 40).chunk(3)), teacher_temp=TEMP)
+    assert not sk.center.any()  # the center stays at zero: checkpoints keep the key
+
+
+def test_sinkhorn_loss_is_the_cross_entropy_to_its_targets():
+    torch.manual_seed(0)
+    teacher = [torch.randn(6, 40) for _ in range(2)]
+    student = [torch.randn(6, 40) for _ in range(5)]
+    q = plain_sinkhorn(torch.cat(teacher), TEMP).float().chunk(2)
+    total, n = 0.0, 0
+    for i, qi in enumerate(q):
+        for v, s in enumerate(student):
+            if v != i:
+                total += torch.sum(-qi * F.log_softmax(s / 0.1, dim=-1), dim=-1).mean()
+                n += 1
+    got = DinoLoss(loss_cfg("sinkhorn"))(teacher, student, teacher_temp=TEMP)
+    assert torch.allclose(got, total / n, atol=1e-5)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sinkhorn_on_rank(rank, port, t, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mine = t.chunk(2)[rank]
+        torch.save(DinoLoss(loss_cfg("sinkhorn")).targets(mine, TEMP), os.path.join(out_dir, f"q{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sinkhorn_over_two_gloo_processes_is_over_the_global_batch(tmp_path):
+    """Each process holds half the images; together they give the targets one process
+    computes from all of them (DINOv2 normalizes over every process's rows)."""
+    torch.manual_seed(0)
+    t = torch.randn(16, 40) * 0.3
+    mp.spawn(_sinkhorn_on_rank, args=(_free_port(), t, str(tmp_path)), nprocs=2, join=True)
+    together = torch.cat([torch.load(tmp_path / f"q{r}.pt") for r in (0, 1)])
+    assert torch.allclose(together.double(), plain_sinkhorn(t, TEMP), atol=1e-6)
+    alone = DinoLoss(loss_cfg("sinkhorn")).targets(t.chunk(2)[0], TEMP)
+    assert not torch.allclose(alone, together[:8], atol=1e-3)  # so the processes did talk
+
+
+def test_teacher_stats_read_the_targets_the_loss_uses():
+    from resmlp.ssl.health import teacher_stats
+    K = 40
+    uniform = teacher_stats(torch.full((16, K), 1 / K))
+    assert uniform["teacher_entropy"] == pytest.approx(math.log(K), abs=1e-5)
+    assert uniform["teacher_kl_mean"] == pytest.approx(0.0, abs=1e-5)
+    sharp = teacher_stats(F.one_hot(torch.arange(16) % K, K).float())  # zeros in the targets: no NaN
+    assert sharp["teacher_entropy"] == pytest.approx(0.0, abs=1e-6)
+    assert sharp["teacher_kl_mean"] == pytest.approx(math.log(16), abs=1e-5)
+    torch.manual_seed(0)
+    # under Sinkhorn-Knopp too: high while the targets depend on the image, 0 once they do not
+    q = DinoLoss(loss_cfg("sinkhorn", K)).targets(torch.randn(16, K) * 0.3, TEMP)
+    assert teacher_stats(q)["teacher_kl_mean"] > 1.0
+    same = DinoLoss(loss_cfg("sinkhorn", K)).targets(torch.randn(1, K).repeat(16, 1), TEMP)
+    assert teacher_stats(same)["teacher_kl_mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out_dim=64", "dino.hidden_dim=32",
+        "dino.bottleneck_dim=16", "dino.n_local_crops=2", "data=imagefolder", "data.img_size=32",
+        "model.patch_size=8", "dino.local_size=16", "model.drop_path_rate=0.0", "dino.freeze_last_layer=0"]
+
+
+def test_koleo_is_lightlys_on_the_students_pooled_global_features():
+    from lightly.loss import KoLeoLoss
+
+    from resmlp.bench import rows as R
+    from resmlp.ssl.step import build_dino_step
+    cfg = load_config("dino", "resmlp_s12", [*TINY, "dino.koleo_weight=0.5", "dino.centering=sinkhorn"])
+    from resmlp.ssl.crop_plan import crop_plan
+    crops = R.synthetic_crops(crop_plan(cfg), 8, torch.device("cpu"), seed=0)
+    torch.manual_seed(0)
+    step = build_dino_step(cfg, torch.device("cpu"))
+    student = step.raw_student
+    with torch.no_grad():
+        want = sum(KoLeoLoss()(student.backbone(c)) for c in crops[:2])
+    step(crops, 0.0, 0.04, 0.996, TEMP, 1)
+    stats = step.read()
+    assert stats["koleo"] == pytest.approx(want.item(), rel=1e-4)
+    torch.manual_seed(0)
+    plain = build_dino_step(load_config("dino", "resmlp_s12", [*TINY, "dino.centering=sinkhorn"]), torch.device("cpu"))
+    plain(crops, 0.0, 0.04, 0.996, TEMP, 1)
+    base = plain.read()
+    assert "koleo" not in base
+    assert stats["loss"] == pytest.approx(base["loss"] + 0.5 * want.item(), rel=1e-4)  # the weighted term is in
+
+
+@pytest.mark.parametrize("override,says", [("dino.centering=median", "dino.centering"),
+                                           ("dino.koleo_weight=-0.1", "dino.koleo_weight")])
+def test_bad_centering_or_koleo_weight_is_one_line_exit_2(tmp_path, capsys, override, says):
+    assert cli.main(["dino", "resmlp_s12", *TINY, "data=fashion_mnist", "data.subset=16", "epochs=1",
+                     f"out={tmp_path / 'run'}", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
