@@ -153,7 +153,10 @@ def unwrap_user_error(e: BaseException) -> UserError | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run=None) -> int:
+    """The CLI. `run`: an entry `run(cfg)` to use in place of the command's own (a study's
+    trainer with its extension points, studies/); the config, errors and exit codes stay
+    the command's."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         cmd, cfg = build(argv)
@@ -162,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.launcher != "local":
             return launch(cfg, argv)
-        module, func = cmd.target.split(":")
-        try:
-            run = getattr(importlib.import_module(module), func)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("resmlp"):
-                raise UserError(f"command {argv[0]!r} is not available in this version") from None
-            raise
+        if run is None:
+            module, func = cmd.target.split(":")
+            try:
+                run = getattr(importlib.import_module(module), func)
+            except ModuleNotFoundError as e:
+                if e.name and e.name.startswith("resmlp"):
+                    raise UserError(f"command {argv[0]!r} is not available in this version") from None
+                raise
         return int(run(cfg) or 0)
     except Preempted as e:
         if str(e):  # rank 0's; the other ranks stop quietly

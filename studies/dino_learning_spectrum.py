@@ -1,6 +1,6 @@
 """How much of a DINO checkpoint's features the k-NN protocol can see (docs/dino_learning.md).
 
-    python docs/dino_learning_spectrum.py <checkpoint or run dir> [...]
+    python studies/dino_learning_spectrum.py <checkpoint or run dir> [...]
 
 For raw pixels and then each checkpoint's teacher backbone, on the eval transform of the
 checkpoint's own training images (its data.subset) and the test images: the share of the
@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 import resmlp.data as rdata
 from resmlp.eval.knn import knn_evaluate, online_knn
+from resmlp.core.errors import UserError
 from resmlp.models.checkpoints import load_backbone
 
 DIMS = int(os.environ.get("WHITEN_DIMS", "64"))
@@ -46,11 +47,18 @@ def main(paths):
         model, info = load_backbone(path, key="teacher")
         if data_cfg is None:  # the first checkpoint's training data is every row's bank
             if not info.get("config"):
-                sys.exit(f"{path}: no saved config to take the data from")
+                raise UserError(f"{path}: no saved config to take the data from")
             data_cfg = OmegaConf.create(info["config"]).data
             report("raw pixels", torch.nn.Flatten(), data_cfg)
         report(path, model.eval(), data_cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) < 2:
+        print("usage: " + __doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        sys.exit(2)
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,6 +1,6 @@
 """The probe and the one-off interventions of docs/dino_learning.md.
 
-    python docs/dino_learning_probe.py [key=value ...]      # = bash run.sh dino resmlp_s12 [...]
+    python studies/dino_learning_probe.py [key=value ...]   # = bash run.sh dino resmlp_s12 [...]
 
 runs the normal trainer and, every PROBE_EVERY (25) iterations, writes one line of
 <out>/probe.jsonl about the teacher's head on that iteration's global crops: for the
@@ -13,7 +13,8 @@ image pick the same one, and the participation ratio (effective number of direct
 of the centered features and bottleneck outputs. The probe only reads: the training
 itself is the command's.
 
-Interventions for the study, by environment variable (none is a project option):
+Interventions for the study, by environment variable (none is a project option), made
+through the trainer's extension points (resmlp.ssl.networks.DinoHooks):
     HEAD_NOBIAS=1         the head's linear biases stay at zero (not trained)
     HEAD_INIT=lecun       the head's linear weights drawn with std 1/sqrt(fan_in), not 0.02
     FEAT_SCALE=c          the pooled features multiplied by c before the head
@@ -26,21 +27,19 @@ Interventions for the study, by environment variable (none is a project option):
     POOLING=class_mlp     the ResMLP's pooling (a builder option the model: section lacks)
     WHITEN=a              the standardized bottleneck also decorrelated over the batch (Cholesky
                           whitening of its correlation matrix shrunk toward the identity by a)
-    KOLEO=w               DINOv2's KoLeo term (lightly's KoLeoLoss) on the student's pooled
-                          features, each global crop's batch on its own, weighted by w
+DINOv2's KoLeo term, once the switch KOLEO=w, is the option dino.koleo_weight=w.
 """
 import json
 import math
 import os
 import sys
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import resmlp.models.from_config as from_config
-import resmlp.ssl.networks as networks
-import resmlp.ssl.train as dino_train
+from resmlp.ssl.networks import DinoHooks
 
 EVERY = int(os.environ.get("PROBE_EVERY", "25"))
 
@@ -89,30 +88,8 @@ class Whiten(nn.Module):
         return torch.linalg.solve_triangular(torch.linalg.cholesky(c), z.t(), upper=False).t()
 
 
-class KoLeoAdded(nn.Module):
-    """The DINO loss plus w * KoLeo of each global crop's pooled student features, which
-    `features` (filled by a hook on the student's backbone) holds for the current step."""
-
-    def __init__(self, dino_loss: nn.Module, w: float, features: dict):
-        super().__init__()
-        from lightly.loss import KoLeoLoss
-        self.dino_loss, self.w, self.features, self.koleo = dino_loss, w, features, KoLeoLoss()
-
-    @property
-    def center(self):
-        return self.dino_loss.center
-
-    def forward(self, t_out, s_out, teacher_temp):
-        f = self.features.pop("global").float()
-        return (self.dino_loss(t_out, s_out, teacher_temp=teacher_temp)
-                + self.w * sum(self.koleo(c) for c in f.chunk(2)))
-
-
-_build_head = networks.build_head
-
-
-def build_head(in_dim, dino_cfg):
-    head = _build_head(in_dim, dino_cfg)
+def edit_head(head, dino_cfg):
+    in_dim = head.layers[0].in_features
     linears = [m for m in head.layers if isinstance(m, nn.Linear)]
     if os.environ.get("HEAD_INIT") == "lecun":
         for m in linears:
@@ -138,13 +115,12 @@ def build_head(in_dim, dino_cfg):
     return head
 
 
-_build_model = from_config.build_model
-
-
-def build_model(model_cfg, num_classes=0):
+def build_backbone(model_cfg):
     name = os.environ.get("BACKBONE")
     if not name:
-        return _build_model(model_cfg, num_classes)
+        from resmlp.models import create_model
+        from resmlp.models.from_config import model_kwargs
+        return create_model(model_cfg.name, num_classes=0, **model_kwargs(model_cfg), pooling=os.environ["POOLING"])
     import timm
     kwargs = {}
     if os.environ.get("BACKBONE_NORM") == "gn":
@@ -155,23 +131,31 @@ def build_model(model_cfg, num_classes=0):
     return model
 
 
-_build_dino_step = dino_train.build_dino_step
+def without_photometric(views, cfg):
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    if views.batch_augment is None:
+        sys.exit("NO_PHOTOMETRIC=1 changes the device augmentation: it needs dino.augment=device")
+    views.batch_augment = GpuMultiCrop.from_plan(views.plan, cfg.data, compile=bool(cfg.compile),
+                                                 out_dtype=views.batch_augment.out_dtype,
+                                                 jitter_prob=0.0, solarize_prob=0.0)
 
 
-def build_dino_step(cfg, *args, **kwargs):
-    step = _build_dino_step(cfg, *args, **kwargs)
+def probe(step, cfg):
     teacher, head = step.teacher, step.teacher.head
     path = os.path.join(str(cfg.out), "probe.jsonl")
-    state = {"calls": 0, "x": None}
+    state = {"calls": 0, "x": None, "busy": False}
 
     def on_backbone(module, inputs, output):
         state["x"] = output.detach()
 
     @torch.no_grad()
     def on_head(module, inputs, output):
-        state["calls"] += 1
-        if state["calls"] % EVERY != 1:
+        if state["busy"]:  # the probe's own call of the head below
             return
+        state["calls"] += 1
+        if (state["calls"] - 1) % EVERY:
+            return
+        state["busy"] = True
         x = state["x"].float()
         layers = head.layers
         linears = [m for m in layers if isinstance(m, nn.Linear)]
@@ -190,6 +174,7 @@ def build_dino_step(cfg, *args, **kwargs):
         layers.eval()
         zero = layers(torch.zeros(2, x.shape[1]))[:1]
         layers.train(was)
+        state["busy"] = False
         rec["z_cos_zero_input"] = F.cosine_similarity(z.mean(0, keepdim=True), zero).item()
         rec["zn_cos"] = pair_cos(z)
         rec["x_pr"], rec["z_pr"] = participation_ratio(x), participation_ratio(z)
@@ -202,32 +187,20 @@ def build_dino_step(cfg, *args, **kwargs):
 
     teacher.backbone.register_forward_hook(on_backbone)
     head.layers.register_forward_hook(on_head)
-    if os.environ.get("KOLEO"):
-        student_features = {}
-
-        def on_student_backbone(module, inputs, output):
-            student_features.setdefault("global", output)  # the first call of a step: the global crops
-
-        step.raw_student.backbone.register_forward_hook(on_student_backbone)
-        step.loss_fn = KoLeoAdded(step.loss_fn, float(os.environ["KOLEO"]), student_features)
-    return step
 
 
-networks.build_head = build_head
-if os.environ.get("POOLING"):
-    _model_kwargs = from_config.model_kwargs
-    from_config.model_kwargs = lambda cfg: {**_model_kwargs(cfg), "pooling": os.environ["POOLING"]}
-if os.environ.get("NO_PHOTOMETRIC"):
-    import resmlp.data.gpu_augment as gpu_augment
-    _init = gpu_augment.GpuMultiCrop.__init__
+def hooks() -> DinoHooks:
+    env = os.environ
+    head_switches = ("HEAD_INIT", "HEAD_NOBIAS", "FEAT_BN", "FEAT_SCALE", "BOTTLENECK_CENTER", "BOTTLENECK_BN",
+                     "WHITEN")
+    return DinoHooks(backbone=build_backbone if env.get("BACKBONE") or env.get("POOLING") else None,
+                     head=edit_head if any(env.get(k) for k in head_switches) else None,
+                     views=without_photometric if env.get("NO_PHOTOMETRIC") else None,
+                     step=probe)
 
-    def _init_without_photometric(self, *args, **kwargs):
-        _init(self, *args, **{**kwargs, "jitter_prob": 0.0, "solarize_prob": 0.0})
-
-    gpu_augment.GpuMultiCrop.__init__ = _init_without_photometric
-from_config.build_model = build_model
-dino_train.build_dino_step = build_dino_step
 
 if __name__ == "__main__":
     from resmlp.core.cli import main
-    sys.exit(main(["dino", "resmlp_s12", *sys.argv[1:]]))
+    from resmlp.core.engine import command
+    from resmlp.ssl.train import train
+    sys.exit(main(["dino", "resmlp_s12", *sys.argv[1:]], run=command(partial(train, hooks=hooks()))))
