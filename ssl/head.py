@@ -5,9 +5,10 @@ layer to out_dim prototypes without bias; with norm_last_layer its weight norm i
 1, and during the first `freeze_last_layer` epochs that layer gets no update (DINO's
 defaults; the step calls `cancel_last_layer_gradients`).
 
-`dino.bottleneck_norm=batchnorm` (this project's default) standardizes the bottleneck over
-the global batch before the L2 normalization (`BatchStandardize`); `none` is DINO's head
-as published. Why: docs/dino_learning.md.
+`dino.bottleneck_norm=none` is DINO's head as published (the default); `batchnorm`
+standardizes the bottleneck over the global batch before the L2 normalization
+(`BatchStandardize`), a departure that only the budgets whose runs chose it use. Why:
+docs/dino_learning.md.
 """
 from __future__ import annotations
 
