@@ -41,18 +41,34 @@ def collapse_warning(mean_entropy: float, out_dim: int) -> str | None:
     return None
 
 
+def drift_advice(dino_cfg) -> str:
+    """What to change when the targets drift to uniform, for the setting the run is in: the
+    remedies that the runs of docs/dino_learning.md found to stop that drift in it."""
+    sinkhorn = dino_cfg.get("centering", "mean") == "sinkhorn"
+    koleo = float(dino_cfg.get("koleo_weight", 0.0)) > 0
+    norm = dino_cfg.get("bottleneck_norm", "none") != "none"
+    if not (sinkhorn or koleo or norm):  # DINO as published
+        return ("set DINOv2's dino.centering=sinkhorn with dino.koleo_weight=0.1, or this project's "
+                "dino.bottleneck_norm=batchnorm, which takes away the part of the head's output that every image "
+                "shares")
+    if sinkhorn and not koleo:
+        return ("add DINOv2's KoLeo term, dino.koleo_weight=0.1: Sinkhorn-Knopp alone did not stop this drift on "
+                "a ResMLP")
+    return "lower optim.lr or raise dino.momentum_teacher, which slow the drift"
+
+
 class CollapseWatch:
     """Warns while a collapse to uniform targets happens, not after it: the teacher's KL
     to the batch-mean target (`teacher_kl_mean`) falls long before the entropy reaches
     ln K. `update` takes that KL at every log line; when it has stayed under `threshold`
     for `patience` lines in a row it returns the warning, once, and a line back above the
-    threshold starts a new episode. The advice names the knob that the study in
-    docs/dino_learning.md found to matter."""
+    threshold starts a new episode. `advice` (drift_advice: the knob that fits the run's
+    setting) ends the warning."""
 
-    def __init__(self, threshold: float, patience: int, bottleneck_norm: str = "none"):
+    def __init__(self, threshold: float, patience: int, advice: str = ""):
         if threshold < 0 or patience < 1:
             raise ValueError(f"CollapseWatch needs threshold >= 0 and patience >= 1, got {threshold}, {patience}")
-        self.threshold, self.patience, self.bottleneck_norm = float(threshold), int(patience), bottleneck_norm
+        self.threshold, self.patience, self.advice = float(threshold), int(patience), advice
         self.below = 0
 
     def update(self, kl: float) -> str | None:
@@ -62,11 +78,6 @@ class CollapseWatch:
         self.below += 1
         if self.below != self.patience:
             return None
-        if self.bottleneck_norm == "none":
-            advice = ("set dino.bottleneck_norm=batchnorm, which takes away the part of the head's output "
-                      "that every image shares")
-        else:
-            advice = "lower optim.lr or raise dino.momentum_teacher, which slow the drift"
         return (f"the teacher's targets barely depend on the image (KL to the batch-mean target {kl:.3f} < "
-                f"{self.threshold:g} for {self.patience} log lines): DINO is collapsing to uniform targets; "
-                f"{advice} (docs/dino_learning.md)")
+                f"{self.threshold:g} for {self.patience} log lines): DINO is collapsing to uniform targets"
+                + (f"; {self.advice}" if self.advice else "") + " (docs/dino_learning.md)")

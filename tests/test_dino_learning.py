@@ -12,7 +12,7 @@ import torch
 
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
-from resmlp.ssl.health import CollapseWatch
+from resmlp.ssl.health import CollapseWatch, drift_advice
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -80,16 +80,25 @@ def test_each_preset_uses_the_head_its_runs_chose(tmp_path):
 
 
 def test_collapse_watch_warns_once_per_episode_and_names_the_knob():
-    watch = CollapseWatch(threshold=0.35, patience=3)
+    watch = CollapseWatch(threshold=0.35, patience=3, advice="turn the knob")
     said = [watch.update(kl) for kl in (1.0, 0.3, 0.2, 0.9, 0.3, 0.2, 0.1, 0.1, 0.1)]
     # the dip at lines 2-3 is too short; the one from line 5 on warns once, at its third line
     assert [i for i, s in enumerate(said) if s] == [6]
-    assert "dino.bottleneck_norm=batchnorm" in said[6]
+    assert "DINO is collapsing" in said[6] and "turn the knob" in said[6]
     assert watch.update(0.5) is None and watch.update(0.1) is None  # back up: a new episode starts
-    assert "optim.lr" in [CollapseWatch(0.35, 1, "batchnorm").update(0.1)][0]
     assert all(CollapseWatch(0.0, 1).update(kl) is None for kl in (0.0, 0.1))  # 0 turns it off
     with pytest.raises(ValueError):
         CollapseWatch(0.35, 0)
+
+
+def test_drift_advice_names_the_remedy_that_fits_the_setting(tmp_path):
+    def advice(*overrides):
+        return drift_advice(load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", *overrides]).dino)
+    published = advice("dino.bottleneck_norm=none")
+    assert "dino.centering=sinkhorn" in published and "dino.bottleneck_norm=batchnorm" in published
+    assert "dino.koleo_weight" in advice("dino.centering=sinkhorn")
+    for remedied in (["dino.bottleneck_norm=batchnorm"], ["dino.centering=sinkhorn", "dino.koleo_weight=0.1"]):
+        assert "optim.lr" in advice(*remedied) and "bottleneck_norm" not in advice(*remedied)
 
 
 # ---- the runs ----------------------------------------------------------------------------
