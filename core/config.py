@@ -193,7 +193,7 @@ LIMITS = {
     "dino.local_size": SOME, "dino.student_temp": POSITIVE, "dino.teacher_temp": POSITIVE,
     "dino.warmup_teacher_temp": POSITIVE, "dino.warmup_teacher_temp_epochs": COUNT,
     "dino.freeze_last_layer": NONNEGATIVE, "dino.momentum_teacher": FRACTION, "dino.center_momentum": FRACTION,
-    "dino.koleo_weight": NONNEGATIVE, "dino.collapse_kl": NONNEGATIVE, "dino.collapse_patience": SOME,
+    "dino.koleo_weight": NONNEGATIVE, "dino.collapse_kl": Limit(0, null=True), "dino.collapse_patience": SOME,
     "aug.repeats": SOME, "aug.hflip": FRACTION, "aug.color_jitter": NONNEGATIVE, "aug.re_prob": FRACTION,
     "aug.re_count": COUNT, "aug.smoothing": BELOW_ONE, "aug.mixup": NONNEGATIVE, "aug.cutmix": NONNEGATIVE,
     "aug.mixup_prob": FRACTION, "aug.mixup_switch_prob": FRACTION, "ema.decay": FRACTION,

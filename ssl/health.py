@@ -41,6 +41,19 @@ def collapse_warning(mean_entropy: float, out_dim: int) -> str | None:
     return None
 
 
+# The KL under which the targets count as drifting, per centering: between the collapsing and
+# the learning runs of docs/dino_learning.md. Sinkhorn-Knopp spreads every target over the
+# prototypes, so the same teacher reads lower through it than through the mean centering
+# (the table there), and its learning runs sat lower too.
+COLLAPSE_KL = {"mean": 0.35, "sinkhorn": 0.2}
+
+
+def collapse_kl(dino_cfg) -> float:
+    """dino.collapse_kl, or the threshold for the run's centering when it is null."""
+    value = dino_cfg.get("collapse_kl")
+    return float(value) if value is not None else COLLAPSE_KL[dino_cfg.get("centering", "mean")]
+
+
 def drift_advice(dino_cfg) -> str:
     """What to change when the targets drift to uniform, for the setting the run is in: the
     remedies that the runs of docs/dino_learning.md found to stop that drift in it."""

@@ -17,7 +17,7 @@ from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.resumable import build_train_loader
 from resmlp.ssl.crop_plan import build_views, crop_plan
-from resmlp.ssl.health import CollapseWatch, collapse_warning, drift_advice
+from resmlp.ssl.health import CollapseWatch, collapse_kl, collapse_warning, drift_advice
 from resmlp.ssl.networks import DinoHooks
 from resmlp.ssl.step import build_dino_step
 
@@ -92,7 +92,7 @@ def train(cfg, hooks: DinoHooks | None = None):
         results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
-    collapse = CollapseWatch(cfg.dino.collapse_kl, cfg.dino.collapse_patience, drift_advice(cfg.dino))
+    collapse = CollapseWatch(collapse_kl(cfg.dino), cfg.dino.collapse_patience, drift_advice(cfg.dino))
 
     run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} "
               f"iterations, global batch {cfg.batch_size} on {run.world_size} x {device.type}, crops "
