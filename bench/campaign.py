@@ -413,8 +413,8 @@ def describe(s: Stage) -> str:
             parts.append(f"k-NN {f['knn_curve'][-1][1]:.2f} at epoch {f['knn_curve'][-1][0]}")
         if "results" in f:
             t = f["results"].get("timing") or {}
-            parts.append(f"final k-NN {f['results']['knn_top1']:.2f}; training {t.get('train_s', 0) / 60:.1f} min "
-                         f"over {len(t.get('starts', []))} start(s)")
+            parts.append(f"final k-NN {f['results']['knn_top1']:.2f}; training {t.get('train_s', 0):.0f} s over "
+                         f"{len(t.get('starts', []))} start(s), uninterrupted about {t.get('uninterrupted_s', 0):.0f} s")
     elif s.name == "bench" and f:
         parts.append(f"lines {f['lines']}, {f.get('left') or 0} left")
     elif s.name == "tests" and f:

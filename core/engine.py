@@ -509,7 +509,9 @@ class Cadence:
     def after_iteration(self, it: int) -> None:
         if self.kill_at and it == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.saved_at != it:  # checkpoint(it) has just asked
+        # checkpoint(it) has just asked; at an epoch's end the trainer's epoch-end checkpoint
+        # asks, after the epoch's evaluation, which a stop here would skip for good
+        if self.saved_at != it and it % self.ipe:
             self.stop_if_signalled(it)
 
     def stop_if_signalled(self, it: int) -> None:

@@ -83,6 +83,7 @@ def train(cfg):
     with cadence.evaluating():
         if not start_it and (demo or cfg.eval_every):
             results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
+            run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
         if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
             results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
