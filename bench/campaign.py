@@ -114,7 +114,7 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
 class Campaign:
     def __init__(self, cfg, clock=time.time):
         self.cfg, self.clock = cfg, clock
-        self.dir = Path(str(cfg.out)).expanduser()
+        self.dir = Path(str(cfg.out)).expanduser().resolve()  # the stages run from the repository root
         self.p, self.stages = plan(cfg, self.dir)
         self.report_dir = Path(str(cfg.campaign.report)).expanduser() if cfg.campaign.report else self.dir / "report"
         now = clock()
@@ -250,7 +250,8 @@ class Campaign:
         Returns (exit code, what stopped it: None, 'call', 'budget')."""
         grace = float(self.p["stop_grace_s"])
         proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, errors="replace", start_new_session=True)
+                                text=True, bufsize=1, errors="replace", start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # lines as they come, into the log
         reader = threading.Thread(target=self._pump, args=(proc,), daemon=True)
         reader.start()
         stopped_by = None

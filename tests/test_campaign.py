@@ -115,6 +115,11 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     assert main(["campaign", "campaign.profile=tiny", "campaign.stages=[preset]", out]) == 2
     err = capsys.readouterr().err
     assert "another command" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # through run.sh, whose campaign case sets up before any Python runs
+    sh = subprocess.run(["bash", str(ROOT / "run.sh"), "campaign", "campaign.profile=nope", out], cwd=ROOT,
+                        env={**os.environ, "RESMLP_PYTHON": sys.executable}, capture_output=True, text=True)
+    assert sh.returncode == 2 and sh.stderr.strip().splitlines() == [
+        "error: campaign.profile='nope' is not one of gpu, tiny"], sh.stderr
 
 
 def test_the_report_folder_keeps_to_the_limits(tmp_path):
