@@ -188,7 +188,7 @@ def _ok(results, family, **match):
 
 
 def add_ratios(results: list) -> None:
-    """vs_ref on dino lines (same model and strategy), vs_timm on inference lines,
+    """vs_ref on dino lines (same model, batch and strategy), vs_timm on inference lines,
     vs_lightly on augmentation lines."""
     for r in _ok(results, "dino"):
         if r["impl"] != "reference" and "images_per_s" in r:

@@ -92,7 +92,7 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
     unknown = [s for s in names if s not in STAGES]
     if unknown or not names:
         raise UserError(f"campaign.stages={names} must name some of {', '.join(STAGES)}")
-    images = [f"data=imagefolder", f"data.root={campaign_dir / 'images'}"] if p.get("images") else []
+    images = ["data=imagefolder", f"data.root={campaign_dir / 'images'}"] if p.get("images") else []
     preset = [*[str(a) for a in p["preset"]], *images, *[str(a) for a in as_list(c.preset_overrides)]]
     argvs = {
         "preset": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={campaign_dir / 'preset'}", *preset],
@@ -112,12 +112,12 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
 # --------------------------------------------------------------------------- one call
 
 class Campaign:
-    def __init__(self, cfg, clock=time.time):
-        self.cfg, self.clock = cfg, clock
+    def __init__(self, cfg):
+        self.cfg = cfg
         self.dir = Path(str(cfg.out)).expanduser().resolve()  # the stages run from the repository root
         self.p, self.stages = plan(cfg, self.dir)
         self.report_dir = Path(str(cfg.campaign.report)).expanduser() if cfg.campaign.report else self.dir / "report"
-        now = clock()
+        now = time.time()
         started = _float(os.environ.get(STARTED_ENV))
         self.started = started if started is not None and now - float(cfg.campaign.call_s) < started <= now else now
         self.deadline = self.started + float(cfg.campaign.call_s)
@@ -169,18 +169,18 @@ class Campaign:
             self.log.flush()
         if self.cut is not None and self.cut.search(line):
             self.cut = None
-            self.deadline = min(self.deadline, self.clock() + float(self.p["stop_grace_s"]))
+            self.deadline = min(self.deadline, time.time() + float(self.p["stop_grace_s"]))
 
     # ---- the call ---------------------------------------------------------------------------
     def call(self) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.dir / LOG, "a", buffering=1)
         record = {"call": len(self.calls) + 1, "started": _iso(self.started),
-                  "setup_s": round(self.clock() - self.started, 1), "call_s": float(self.cfg.campaign.call_s),
+                  "setup_s": round(time.time() - self.started, 1), "call_s": float(self.cfg.campaign.call_s),
                   "ran": []}
         self.calls.append(record)
         self.say(f"call {record['call']} in {self.dir} (profile {self.cfg.campaign.profile}), "
-                 f"{self.deadline - self.clock():.0f} s left of {self.cfg.campaign.call_s:g} "
+                 f"{self.deadline - time.time():.0f} s left of {self.cfg.campaign.call_s:g} "
                  f"(set-up took {record['setup_s']:.0f} s)")
         try:
             if self.p.get("images"):
@@ -191,12 +191,14 @@ class Campaign:
                 if not self.run_stage(stage, record):
                     break
         finally:
-            record["wall_s"] = round(self.clock() - self.started, 1)
+            record["wall_s"] = round(time.time() - self.started, 1)
             code = self.exit_code()
             record["exit"] = code
             self.save()
-            self.finish(code)
-            self.log.close()
+            try:
+                self.finish(code)
+            finally:
+                self.log.close()
         return code
 
     def make_images(self) -> None:
@@ -209,7 +211,7 @@ class Campaign:
     def run_stage(self, stage: Stage, record: dict) -> bool:
         """Run (or continue) one stage in what is left of the call; False: the call is over."""
         p = self.p
-        left = self.deadline - self.clock()
+        left = self.deadline - time.time()
         end = self.deadline
         if stage.budget_s is not None:
             budget_left = stage.budget_s - stage.wall_s
@@ -217,14 +219,14 @@ class Campaign:
                 stage.status, stage.note = "done", f"its budget of {stage.budget_s:g} s is spent"
                 self.say(f"{stage.name}: {stage.note}")
                 return True
-            end = min(end, self.clock() + budget_left)
-        if min(left, end - self.clock()) < p["min_start_s"]:
+            end = min(end, time.time() + budget_left)
+        if min(left, end - time.time()) < p["min_start_s"]:
             self.say(f"{stage.name}: {left:.0f} s left, under campaign.{self.cfg.campaign.profile}.min_start_s="
                      f"{p['min_start_s']:g}: not started in this call")
             return False
         argv = list(stage.argv)
         if stage.name == "bench":
-            limit = end - self.clock() - p["stop_grace_s"] - p["bench_line_s"]
+            limit = end - time.time() - p["stop_grace_s"] - p["bench_line_s"]
             if limit < 1:
                 self.say(f"bench: too little time left for a line; not started in this call")
                 return False
@@ -234,15 +236,15 @@ class Campaign:
         self.save()
         verb = "continues" if stage.runs > 1 else "starts"
         self.say(f"{stage.name} {verb} (run {stage.runs}): {shlex.join(['python', *argv])}")
-        t0 = self.clock()
+        t0 = time.time()
         rc, stopped_by = self.supervise(argv, end, budget=stage.budget_s is not None)
-        took = self.clock() - t0
+        took = time.time() - t0
         stage.wall_s += took
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
         self.classify(stage, rc, stopped_by)
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){': ' + stage.note if stage.note else ''}")
-        return stage.ended() and self.clock() < self.deadline
+        return stage.ended() and time.time() < self.deadline
 
     def supervise(self, argv: list, end: float, budget: bool) -> tuple[int, str | None]:
         """Run argv until it exits; SIGTERM stop_grace_s before `end` (or the call's deadline,
@@ -258,9 +260,9 @@ class Campaign:
         try:
             while proc.poll() is None:
                 if preempt.requested():  # this call itself was asked to stop
-                    self.deadline = min(self.deadline, self.clock() + grace)
+                    self.deadline = min(self.deadline, time.time() + grace)
                 hard = min(end, self.deadline)
-                now = self.clock()
+                now = time.time()
                 if stopped_by is None and now >= hard - grace:
                     stopped_by = "budget" if budget and end < self.deadline else "call"
                     self.say(f"stopping the stage (SIGTERM): {'its budget' if stopped_by == 'budget' else 'the call'}"

@@ -147,7 +147,7 @@ def test_the_report_folder_keeps_to_the_limits(tmp_path):
 
 
 def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
-    cfg = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.max_batch=64"])
+    cfg = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.max_batch=16"])
     ctx = Context(torch.device("cpu"), "tiny", cfg.bench.tiny, ["resmlp_s12"], False)
     real = R.call_step
 
@@ -160,7 +160,7 @@ def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
     assert found["batch"] == 8 and found["tried"] == [8, 16] and "out of memory at batch 16" in found["stop"]
     monkeypatch.setattr(R, "call_step", real)
     capped = R._largest_batch(ctx, "resmlp_s12", "interpolate")
-    assert capped["batch"] == 64 and capped["stop"] == "max_batch reached"
+    assert capped["batch"] == 16 and capped["tried"] == [8, 16] and capped["stop"] == "max_batch reached"
 
 
 def test_a_stop_at_an_epochs_last_iteration_still_evaluates_that_epoch(tmp_path, monkeypatch):
