@@ -23,12 +23,12 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from resmlp.bench.jpegs import make_jpeg_folder, synthetic_image  # noqa: F401 - also the tests'
 from resmlp.bench.timing import (count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb, reset_memory,
                                  sync, threads)
 from resmlp.core.dist import cpu_cores
@@ -150,10 +150,9 @@ def peak_family(ctx) -> None:
 
     def fn():
         reset_memory(ctx.device)
-        r = matmul_rate(ctx.device, size, dtype)
-        ctx.peak_tflops = r["tflops"]
-        return r
-    ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size}, fn)
+        return matmul_rate(ctx.device, size, dtype)
+    row = ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size}, fn)
+    ctx.peak_tflops = row.get("tflops")  # also when an earlier run measured it
 
 
 # --------------------------------------------------------------------------- dino
@@ -162,36 +161,80 @@ def dino_family(ctx) -> None:
     p = ctx.p
     for model in ctx.models:
         for strategy in p.strategies:
-            flops: dict = {}
-            together = bool(p.get("interleave")) and bool(p.reference) and False in list(p.compile)
-            pair: dict = {}
-            for comp in p.compile:
-                ident = {"model": model, "strategy": strategy, "impl": "ours compile" if comp else "ours eager"}
-                if together and not comp:
-                    ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, flops, pair))
-                else:
-                    ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, bool(comp), flops))
-            if p.reference:
-                ident = {"model": model, "strategy": strategy, "impl": "reference"}
-                ctx.attempt("dino", ident, (lambda: _pair_reference(pair)) if together else
-                            (lambda: _dino_reference(ctx, model, strategy, flops)))
+            batches = [int(p.batch_size)]
+            if p.get("largest_batch"):
+                ident = {"model": model, "strategy": strategy, "impl": "largest batch search"}
+                found = ctx.attempt("dino", ident, lambda: _largest_batch(ctx, model, strategy))
+                if found["status"] == "ok" and found["batch"] not in batches:
+                    batches.append(found["batch"])
+            for batch in batches:
+                _dino_lines(ctx, model, strategy, batch)
 
 
-def _step_inputs(ctx, model, strategy):
+def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
+    p = ctx.p
+    flops: dict = {}
+    together = bool(p.get("interleave")) and bool(p.reference) and False in list(p.compile)
+    pair: dict = {}
+    for comp in p.compile:
+        ident = {"model": model, "strategy": strategy, "impl": "ours compile" if comp else "ours eager",
+                 "batch": batch}
+        if together and not comp:
+            ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, batch, flops, pair))
+        else:
+            ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops))
+    if p.reference:
+        ident = {"model": model, "strategy": strategy, "impl": "reference", "batch": batch}
+        # timed with the eager line when that one ran in this process (not taken from an earlier run)
+        ctx.attempt("dino", ident, lambda: pair["ref"] if "ref" in pair else
+                    _dino_reference(ctx, model, strategy, batch, flops))
+
+
+def _largest_batch(ctx, model: str, strategy: str) -> dict:
+    """The largest batch, doubling from batch_size up to max_batch, for which our eager
+    step runs (two steps: the second one allocates what the steady state holds); stops at
+    the first out-of-memory error."""
+    p, dev = ctx.p, ctx.device
+    cfg, plan, _ = _step_inputs(ctx, model, strategy, int(p.batch_size))
+    step = build_our_step(cfg, dev, p.precision, False)
+    fits, tried, stop = int(p.batch_size), [], "max_batch reached"
+    batch = 2 * fits
+    try:
+        while batch <= int(p.max_batch):
+            tried.append(batch)
+            try:
+                crops = synthetic_crops(plan, batch, dev)
+                for _ in range(2):
+                    call_step(step, crops)
+                sync(dev)
+            except torch.OutOfMemoryError:
+                stop = f"out of memory at batch {batch}"
+                break
+            finally:
+                crops = None
+                reset_memory(dev)
+            fits, batch = batch, 2 * batch
+    finally:
+        step = None
+        reset_memory(dev)
+    return {"batch": fits, "tried": tried, "stop": stop, "crops": plan.label()}
+
+
+def _step_inputs(ctx, model, strategy, batch: int):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
     from resmlp.ssl.crop_plan import crop_plan
     reset_memory(ctx.device)
-    cfg = dino_config(ctx.p, model, strategy)
+    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}"])
     plan = crop_plan(cfg)
-    return cfg, plan, synthetic_crops(plan, int(ctx.p.batch_size), ctx.device)
+    return cfg, plan, synthetic_crops(plan, batch, ctx.device)
 
 
-def _dino_pair(ctx, model, strategy, flops, pair) -> dict:
+def _dino_pair(ctx, model, strategy, batch, flops, pair) -> dict:
     """Ours (eager) and the reference built side by side and timed with alternating
     repeats (profile key `interleave`: on a shared CPU the ratio then survives the
     other processes' load). Both need memory at once: off in the gpu profile."""
     p, dev = ctx.p, ctx.device
-    cfg, plan, crops = _step_inputs(ctx, model, strategy)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
     ours = build_our_step(cfg, dev, p.precision, False)
     ref, backbone = build_reference_step(cfg, dev, strategy)
     last = {}
@@ -205,8 +248,8 @@ def _dino_pair(ctx, model, strategy, flops, pair) -> dict:
     if not all(torch.isfinite(v).all() for v in last.values()):
         raise RuntimeError("non-finite loss: the timed steps skipped their updates")
     flops["flops"] = count_flops(lambda: call_step(ours, crops))
-    n_crops, batch = plan.n_crops, int(p.batch_size)
-    common = {"batch": batch, "crops": plan.label(), "interleaved": True}
+    n_crops = plan.n_crops
+    common = {"crops": plan.label(), "interleaved": True}
     pair["ref"] = {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "backbone": backbone,
                    "loss": float(last["ref"]), **common,
                    **step_fields(times["ref"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
@@ -214,15 +257,9 @@ def _dino_pair(ctx, model, strategy, flops, pair) -> dict:
             **step_fields(times["ours"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
 
 
-def _pair_reference(pair) -> dict:
-    if "ref" not in pair:
-        raise RuntimeError("timed together with the 'ours eager' line, which failed")
-    return pair["ref"]
-
-
-def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
+def _dino_ours(ctx, model, strategy, batch, comp, flops) -> dict:
     p, dev = ctx.p, ctx.device
-    cfg, plan, crops = _step_inputs(ctx, model, strategy)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
     step = build_our_step(cfg, dev, p.precision, comp)
     try:
         t, loss = time_step(step, crops, dev, p)
@@ -235,61 +272,27 @@ def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
     finally:
         step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
-    fields = step_fields(t, int(p.batch_size), plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
+    fields = step_fields(t, batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
-    return {"precision": p.precision, "batch": int(p.batch_size), "crops": plan.label(),
-            "loss": loss, **fields}
+    return {"precision": p.precision, "crops": plan.label(), "loss": loss, **fields}
 
 
-def _dino_reference(ctx, model, strategy, flops) -> dict:
+def _dino_reference(ctx, model, strategy, batch, flops) -> dict:
     p, dev = ctx.p, ctx.device
-    cfg, plan, crops = _step_inputs(ctx, model, strategy)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
     step, backbone = build_reference_step(cfg, dev, strategy)
     t, loss = time_step(step, crops, dev, p)
     mem = peak_memory_gb(dev)
     if "flops" not in flops:
         flops["flops"] = count_flops(lambda: call_step(step, crops))
     step = None
-    fields = step_fields(t, int(p.batch_size), plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
+    fields = step_fields(t, batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
-    return {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "batch": int(p.batch_size),
-            "crops": plan.label(), "backbone": backbone, "loss": loss, **fields}
+    return {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "crops": plan.label(),
+            "backbone": backbone, "loss": loss, **fields}
 
 
 # --------------------------------------------------------------------------- e2e
-
-def synthetic_image(width: int, height: int, seed: int):
-    """A photo-like RGB PIL image: a coarse random colour grid, upsampled, plus noise
-    (compresses and decodes like a photograph, unlike white noise)."""
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    coarse = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8))
-    smooth = np.asarray(coarse.resize((width, height), Image.BICUBIC), dtype=np.int16)
-    noisy = smooth + rng.integers(-12, 13, smooth.shape, dtype=np.int16)
-    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
-
-
-def make_jpeg_folder(root: str, n: int, min_px: int, max_px: int, classes: int = 10, seed: int = 0) -> float:
-    """Write n synthetic JPEGs of random sides in [min_px, max_px] as root/train/<class>/
-    (one more per class in root/val/); returns the mean file size in KB."""
-    rng = np.random.default_rng(seed)
-    jobs = []
-    for i in range(n + classes):
-        split, c = ("train", i % classes) if i < n else ("val", i - n)
-        w, h = (int(x) for x in rng.integers(min_px, max_px + 1, 2))
-        jobs.append((os.path.join(root, split, f"c{c:02d}", f"{i:06d}.jpg"), w, h, int(rng.integers(2**31))))
-    for split in ("train", "val"):
-        for c in range(classes):
-            os.makedirs(os.path.join(root, split, f"c{c:02d}"), exist_ok=True)
-
-    def write(job):
-        path, w, h, s = job
-        synthetic_image(w, h, s).save(path, quality=90)
-        return os.path.getsize(path)
-    with ThreadPoolExecutor(max(1, cpu_cores())) as pool:
-        sizes = list(pool.map(write, jobs))
-    return float(np.mean(sizes[:n])) / 1024
-
 
 def _cycle(loader, sampler):
     epoch = 0
@@ -338,9 +341,10 @@ def e2e_family(ctx) -> None:
                                                        f"num_workers={workers}"])
             state.update(cfg=cfg, step=build_our_step(cfg, dev, p.precision, bool(e.compile)))
             return {"images": int(e.n_images), "mean_kb": kb, "write_s": time.perf_counter() - t0}
-        if ctx.attempt("e2e", {**base, "path": "write JPEGs"}, setup)["status"] != "ok":
+        if ctx.attempt("e2e", {**base, "path": "write JPEGs"}, setup, restorable=False)["status"] != "ok":
             return
-        ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
+        synthetic = ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
+        state["synthetic"] = synthetic.get("images_per_s")  # also when an earlier run measured it
         ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e(ctx, state, "workers"))
         ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e(ctx, state, "device"))
         if dev.type == "cuda":
@@ -358,8 +362,7 @@ def _e2e_synthetic(ctx, state) -> dict:
     plan = crop_plan(state["cfg"])
     crops = synthetic_crops(plan, int(p.batch_size), dev)
     t, _ = time_step(state["step"], crops, dev, p)
-    state["synthetic"] = int(p.batch_size) / t.seconds
-    return {"images_per_s": state["synthetic"], "crops": plan.label(), "first_s": t.first_s,
+    return {"images_per_s": int(p.batch_size) / t.seconds, "crops": plan.label(), "first_s": t.first_s,
             "mem_gb": peak_memory_gb(dev)}
 
 
@@ -408,12 +411,13 @@ def inference_family(ctx) -> None:
         # the eager ones side by side, repeats alternated; the compiled ones one at a time
         eager = {"timm eager": ("timm", False), "ours eager": ("ours", False), "ours folded eager": ("ours", True)}
         timed: dict = {}
-        try:
-            timed.update(_infer_together(ctx, cfg, dims, eager))
-        except Exception as e:  # noqa: BLE001 - reported (with its traceback) on each of its lines
-            timed["failure"] = e
         for name in eager:
             def fields(name=name):
+                if not timed:  # timed together by the first of them an earlier run did not measure
+                    try:
+                        timed.update(_infer_together(ctx, cfg, dims, eager))
+                    except Exception as e:  # noqa: BLE001 - reported (with its traceback) on each of its lines
+                        timed["failure"] = e
                 if name not in timed:
                     raise timed["failure"]
                 return timed[name]
@@ -500,17 +504,22 @@ def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
 def knn_family(ctx) -> None:
     k = ctx.p.knn
     n_train, n_test, dim, classes = int(k.n_train), int(k.n_test), int(k.dim), int(k.classes)
-    g = torch.Generator().manual_seed(0)
-    # clustered features, so that the vote has something to find (top-1 as a sanity check)
-    centroids = torch.randn(classes, dim, generator=g)
-    train_y = torch.randint(classes, (n_train,), generator=g)
-    train = torch.randn(n_train, dim, generator=g).mul_(3.0).add_(centroids[train_y])
-    test_y = torch.randint(classes, (n_test,), generator=g)
-    test = torch.randn(n_test, dim, generator=g).mul_(3.0).add_(centroids[test_y])
-    data = (train, train_y, test, test_y, classes)
+    made: list = []
+
+    def data():  # made once, by the first line an earlier run did not measure
+        if not made:
+            g = torch.Generator().manual_seed(0)
+            # clustered features, so that the vote has something to find (top-1 as a sanity check)
+            centroids = torch.randn(classes, dim, generator=g)
+            train_y = torch.randint(classes, (n_train,), generator=g)
+            train = torch.randn(n_train, dim, generator=g).mul_(3.0).add_(centroids[train_y])
+            test_y = torch.randint(classes, (n_test,), generator=g)
+            test = torch.randn(n_test, dim, generator=g).mul_(3.0).add_(centroids[test_y])
+            made.append((train, train_y, test, test_y, classes))
+        return made[0]
     for backend in k.backends:
         ident = {"backend": str(backend), "n_train": n_train, "dim": dim, "k": int(k.k)}
-        ctx.attempt("knn", ident, lambda: _knn_one(ctx, str(backend), data))
+        ctx.attempt("knn", ident, lambda: _knn_one(ctx, str(backend), data()))
 
 
 def _knn_one(ctx, backend: str, data) -> dict:
@@ -681,7 +690,7 @@ def loader_family(ctx) -> None:
     try:
         ident = {"impl": "write JPEGs", "where": "cpu", "image": f"{q.width}x{q.height} q{q.quality}"}
         files: dict = {}
-        if ctx.attempt("loader", ident, lambda: _write_loader_files(q, root, files))["status"] != "ok":
+        if ctx.attempt("loader", ident, lambda: _write_loader_files(q, root, files), restorable=False)["status"] != "ok":
             return
         _loader_lines(ctx, q, root, files)
     finally:

@@ -38,6 +38,7 @@ COMMANDS = {
                       "checkpoint", {"format": "export.format", "key": "features.key"}),
     "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)"),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),
+    "campaign": Command("resmlp.bench.campaign:run", "the whole GPU measurement, one resumable call after another"),
 }
 
 
@@ -46,7 +47,9 @@ def usage() -> str:
     for name, c in COMMANDS.items():
         arg = f" <{c.positional}>" if c.positional else ""
         lines.append(f"  {name + arg:<24} {c.help}")
-    lines += [f"  {'test':<24} run the test suite (pytest)", f"  {'help':<24} this text", "",
+    lines += [f"  {'test':<24} run the test suite (pytest)",
+              f"  {'campaign-carry':<24} make .whl/ and .fmnist/: what a bare GPU machine needs for campaign",
+              f"  {'help':<24} this text", "",
               "models: " + ", ".join(model_names()),
               "examples:",
               "  bash run.sh dino resmlp_s12                       # Fashion-MNIST, the default data",

@@ -204,6 +204,7 @@ LIMITS = {
     "slurm.nodes": SOME, "slurm.gpus_per_node": COUNT, "slurm.tasks_per_node": SIZE,
     "slurm.cpus_per_task": SIZE, "slurm.mem_gb": Limit(0, open_low=True, null=True),
     "slurm.signal_delay_s": SOME, "slurm.max_timeouts": COUNT,
+    "campaign.call_s": POSITIVE, "campaign.compare_budget_s": NONNEGATIVE,
 }
 
 

@@ -154,6 +154,7 @@ class Run:
         self.logger: JsonlLogger | None = None
         self.started = time.time()
         self.interactive = sys.stderr.isatty() and self.is_main
+        self.cadence: "Cadence | None" = None  # the loop's, once made (its timing goes into results.json)
 
     # ---- setup -------------------------------------------------------------------------
     def _precision(self, precision: str):
@@ -307,6 +308,8 @@ class Run:
     def finish(self, results: dict) -> dict:
         results = {"wall_time_s": round(time.time() - self.started, 1),
                    "device": device_name(self.device), "world_size": self.world_size, **results}
+        if self.cadence is not None and "timing" not in results:
+            results["timing"] = self.cadence.timing_report()
         self.open()
         if self.is_main:
             with open(self.dir / "results.json", "w") as f:
@@ -385,6 +388,13 @@ class Cadence:
     signal (core.preempt) ends the run after the current iteration with a checkpoint of
     it. `state` names what a checkpoint holds (objects with a state_dict, tensors, plain
     values) and `results` the trainer's running results; both are saved as they are then.
+
+    It also keeps the run's clock in results["timing"], saved with every checkpoint, so a
+    run stopped and resumed many times still tells what one uninterrupted run takes:
+    training seconds and images summed over every start (each start's first iteration,
+    where torch.compile compiles and the loader starts, left out), evaluation seconds
+    (the trainer wraps them in `evaluating()`), and per start its start-up (from `Run()`
+    to here) and its first iteration. Make it right before the loop.
     """
 
     def __init__(self, run: "Run", iterations_per_epoch: int, start_it: int, results: dict, state: dict,
@@ -399,6 +409,13 @@ class Cadence:
         self.saved_at = start_it  # the iteration the checkpoint on disk holds
         self.kill_at = int(os.environ.get(KILL_AT_ENV, "0"))
         self.interval_started, self.images_since = time.time(), 0
+        run.cadence = self  # Run.finish reports the timing
+        self.timing = results.setdefault("timing", {"train_s": 0.0, "train_images": 0, "eval_s": 0.0, "starts": []})
+        self.start = {"at_iteration": start_it, "startup_s": round(time.time() - run.started, 2),
+                      "first_iteration_s": None}
+        self.timing["starts"].append(self.start)
+        # the loop's clock since it was last banked (checkpoints bank it), evaluations paused out
+        self.clock_from, self.paused, self.images = time.time(), 0.0, 0
 
     def log_due(self, it: int) -> bool:
         return it % self.log_every == 0 or it == self.total
@@ -433,7 +450,47 @@ class Cadence:
         return record
 
     def count(self, images: int) -> None:
+        """After each iteration: `images` trained (the log's rate and the timing)."""
         self.images_since += images
+        if self.start["first_iteration_s"] is None:
+            now = time.time()
+            self.start["first_iteration_s"] = round(now - self.clock_from - self.paused, 2)
+            self.clock_from, self.paused = now, 0.0
+        else:
+            self.images += images
+
+    @contextlib.contextmanager
+    def evaluating(self, final: bool = False):
+        """Time an evaluation apart from training (final=True: the end-of-run one)."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            dt = time.time() - t0
+            self.paused += dt
+            if final:
+                self.timing["final_eval_s"] = round(dt, 2)
+            else:
+                self.timing["eval_s"] = round(self.timing["eval_s"] + dt, 2)
+
+    def _bank_time(self) -> None:
+        if self.start["first_iteration_s"] is None:
+            return
+        now = time.time()
+        self.timing["train_s"] = round(self.timing["train_s"] + now - self.clock_from - self.paused, 3)
+        self.timing["train_images"] += self.images
+        self.clock_from, self.paused, self.images = now, 0.0, 0
+
+    def timing_report(self) -> dict:
+        """results["timing"] as of the last checkpoint, with the training rate and what one
+        uninterrupted run would take (the first start's start-up and first iteration, the
+        training, the evaluations)."""
+        t = dict(self.timing)
+        t["train_images_per_s"] = round(t["train_images"] / t["train_s"], 1) if t["train_s"] else None
+        first = t["starts"][0]
+        t["uninterrupted_s"] = round(first["startup_s"] + (first["first_iteration_s"] or 0.0) + t["train_s"]
+                                     + t["eval_s"] + t.get("final_eval_s", 0.0), 1)
+        return t
 
     def checkpoint(self, it: int) -> None:
         """Save, then stop here if a stop signal came (see stop_if_signalled)."""
@@ -444,6 +501,7 @@ class Cadence:
         """read() (never save weights a non-finite loss may have reached), then save the
         state_dict of every object in `state` (tensors as they are), the position and the RNGs."""
         self.read(it)
+        self._bank_time()
         self.run.save({**{k: _state_of(v) for k, v in self.state.items()}, "epoch": it // self.ipe,
                        "iteration": it, "rng": rng_state(), "results": self.results})
         self.saved_at = it
@@ -451,7 +509,9 @@ class Cadence:
     def after_iteration(self, it: int) -> None:
         if self.kill_at and it == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.saved_at != it:  # checkpoint(it) has just asked
+        # checkpoint(it) has just asked; at an epoch's end the trainer's epoch-end checkpoint
+        # asks, after the epoch's evaluation, which a stop here would skip for good
+        if self.saved_at != it and it % self.ipe:
             self.stop_if_signalled(it)
 
     def stop_if_signalled(self, it: int) -> None:

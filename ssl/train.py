@@ -79,12 +79,14 @@ def train(cfg):
     state = {"student": step.raw_student, "teacher": teacher, "optimizer": step.optimizer,
              "center": step.loss_fn.center, "scaler": run.scaler}
     start_it, results = run.restore(**state)
-    if not start_it and (demo or cfg.eval_every):
-        results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
-    if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
-        results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
-    run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
+    with cadence.evaluating():
+        if not start_it and (demo or cfg.eval_every):
+            results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
+            run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
+        if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
+            results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
+    run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     collapse = CollapseWatch(cfg.dino.collapse_kl, cfg.dino.collapse_patience, cfg.dino.bottleneck_norm)
 
     run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} "
@@ -93,7 +95,6 @@ def train(cfg):
 
     # ---- the loop -------------------------------------------------------------------------
     it = start_it
-    train_started, eval_seconds = time.time(), 0.0
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
         student.train()
@@ -130,9 +131,8 @@ def train(cfg):
         if warning:
             run.print(f"warning: {warning}")
         if cadence.eval_due(epoch + 1):
-            eval_started = time.time()
-            res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
-            eval_seconds += time.time() - eval_started
+            with cadence.evaluating():
+                res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
             run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
         cadence.checkpoint(it)
 
@@ -140,9 +140,8 @@ def train(cfg):
     if cfg.save_rank_weights:  # to check that DDP kept the ranks in step
         torch.save({"student": step.raw_student.state_dict(), "teacher": teacher.state_dict()},
                    run.dir / f"weights_rank{run.rank}.pth")
-    train_seconds = time.time() - train_started - eval_seconds
-    images_per_s = (it - start_it) * cfg.batch_size / max(train_seconds, 1e-9)
-    final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear)
+    with cadence.evaluating(final=True):
+        final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
     if "init" in results and run.is_main:
@@ -157,7 +156,8 @@ def train(cfg):
     summary = run.finish({"command": "dino", "model": cfg.model.name, "data": cfg.data.name,
                           "epochs": E, "demo": demo, "local_crops": cfg.dino.local_crops,
                           "params": sum(p.numel() for p in teacher.backbone.parameters()),
-                          "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
+                          # summed over every start: a finished run resumed again keeps its rate
+                          "train_images_per_s": cadence.timing_report()["train_images_per_s"], **run.memory_mb(),
                           **{f"init_{k}": v for k, v in results.get("init", {}).items()},
                           **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final})
     return run, step.raw_student, teacher, summary

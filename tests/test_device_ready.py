@@ -17,7 +17,7 @@ from resmlp.core.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py)
 
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=32", "epochs=1",
         "dino.out_dim=64", "dino.hidden_dim=32", "dino.bottleneck_dim=16", "dino.n_local_crops=2",

@@ -212,7 +212,7 @@ def test_bad_inputs_are_user_errors():
         aug(interpolation="nearest")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_same_crops_on_gpu_and_cpu():
     imgs = photos(4)
     cpu = aug()(imgs, seed=9)
