@@ -85,13 +85,16 @@ def autocast_for(device: torch.device, precision: str):
     return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
 
 
-def build_our_step(cfg, device: torch.device, precision: str, compile: bool):
-    """The trainer's step (resmlp.ssl.step.build_dino_step) for a world of one."""
+def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None):
+    """The trainer's step (resmlp.ssl.step.build_dino_step) for a world of one; graphs:
+    dino.cuda_graphs (None: as cfg says)."""
     need_lightly()
     from omegaconf import OmegaConf
 
     from resmlp.ssl.step import build_dino_step
     cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
+    if graphs is not None:
+        cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": str(bool(graphs)).lower()}})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return build_dino_step(cfg, device, scaler, autocast_for(device, precision))
 
@@ -171,6 +174,12 @@ def dino_family(ctx) -> None:
                     ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, flops, pair))
                 else:
                     ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, bool(comp), flops))
+            for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
+                if str(kind) not in ("eager", "compile"):
+                    raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
+                ident = {"model": model, "strategy": strategy, "impl": f"ours {kind}+graphs"}
+                ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, str(kind) == "compile", flops,
+                                                              graphs=True))
             if p.reference:
                 ident = {"model": model, "strategy": strategy, "impl": "reference"}
                 ctx.attempt("dino", ident, (lambda: _pair_reference(pair)) if together else
@@ -220,25 +229,41 @@ def _pair_reference(pair) -> dict:
     return pair["ref"]
 
 
-def _dino_ours(ctx, model, strategy, comp, flops) -> dict:
+def _dino_ours(ctx, model, strategy, comp, flops, graphs: bool = False) -> dict:
     p, dev = ctx.p, ctx.device
+    if graphs and dev.type != "cuda":
+        raise Skip("CUDA graphs need a GPU")
     cfg, plan, crops = _step_inputs(ctx, model, strategy)
-    step = build_our_step(cfg, dev, p.precision, comp)
+    step = build_our_step(cfg, dev, p.precision, comp, graphs=graphs)
+    extra = {}
     try:
+        if graphs:  # the warm-up calls and the capture, before the timing's own warm-up
+            extra["capture_s"] = _until_steady(step, crops, dev)
         t, loss = time_step(step, crops, dev, p)
         mem = peak_memory_gb(dev)
-        if "flops" not in flops:  # counted once, on the eager modules
-            saved = step.forward_student, step.forward_teacher
+        if graphs:
+            extra["captures"] = step.graphed.captures
+        if "flops" not in flops:  # counted once, on the eager modules, never through a graph
+            step.graphed = None
             step.forward_student = step.forward_teacher = None
             flops["flops"] = count_flops(lambda: call_step(step, crops))
-            step.forward_student, step.forward_teacher = saved
     finally:
         step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
     fields = step_fields(t, int(p.batch_size), plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
     return {"precision": p.precision, "batch": int(p.batch_size), "crops": plan.label(),
-            "loss": loss, **fields}
+            "loss": loss, **fields, **extra}
+
+
+def _until_steady(step, crops, dev) -> float:
+    """Seconds of the graphed step's calls up to and including its capture."""
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(step.graphed.calls_to_steady_state):
+        call_step(step, crops)
+    sync(dev)
+    return time.perf_counter() - t0
 
 
 def _dino_reference(ctx, model, strategy, flops) -> dict:
