@@ -544,6 +544,11 @@ def _knn_one(ctx, backend: str, data) -> dict:
     on_gpu = dev.type == "cuda"
     if backend == "torch":
         where, name = dev, "torch"
+    elif backend == "torch-device":  # the features already on the GPU, as the trainer's extraction leaves them
+        if not on_gpu:
+            raise Skip("no GPU")
+        where, name = dev, "torch"
+        train, test = train.to(dev), test.to(dev)
     elif backend in ("torch-raw", "torch-raw-bf16"):
         return _knn_raw(ctx, train, test, torch.bfloat16 if backend.endswith("bf16") else torch.float32)
     elif backend in ("faiss-gpu", "faiss-cpu"):
@@ -561,8 +566,8 @@ def _knn_one(ctx, backend: str, data) -> dict:
         else:
             where, name = torch.device("cpu"), "faiss"
     else:
-        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-raw, torch-raw-bf16, "
-                         f"faiss-gpu, faiss-cpu")
+        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-raw, "
+                         f"torch-raw-bf16, faiss-gpu, faiss-cpu")
     from resmlp.eval.knn import knn_classify
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where)  # warm up
