@@ -129,6 +129,20 @@ def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, bl
     assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
+    """On the GPU (bf16 pass, block maxima, float64 re-rank there) the same neighbours and
+    similarities as the CPU's float32 pass, from CPU and from GPU tensors alike."""
+    from resmlp.eval import knn as K
+    monkeypatch.setattr(K._TorchSearch, "BLOCK", 7)
+    xtr, _, xte = tie_features()
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
+        got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
+        assert torch.equal(got_i, want_i)
+        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+
+
 def test_top_candidates_through_block_maxima_is_topk():
     from resmlp.eval.knn import _top_candidates
     g = torch.Generator().manual_seed(0)
