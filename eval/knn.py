@@ -452,9 +452,28 @@ def knn_evaluate(train_features, train_labels, test_features, test_labels, num_c
 
 # --------------------------------------------------------------------------- online (training)
 
+# The eval images a trainer's k-NN keeps between calls (`online_knn(cache=...)`), at most:
+# Fashion-MNIST and CIFAR fit (70k x 3 x 32 x 32 float32: 0.9 GB), ImageNet does not.
+_CACHE_BYTES = 2 * 2**30
+
+
+def _cached_batches(loader, n: int, device, cache: dict, key: str, budget: int):
+    """The loader's batches on `device`, kept in `cache[key]`, when all n images fit in
+    `budget` bytes; else the loader itself (and cache[key] = False: do not try again)."""
+    batches = []
+    for batch in loader:
+        x, y = batch[0].to(device, non_blocking=True), torch.as_tensor(batch[1]).to(device, non_blocking=True)
+        if not batches and x[:1].nbytes * n > budget:
+            cache[key] = False
+            return loader
+        batches.append((x, y))
+    cache[key] = batches
+    return batches
+
+
 def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, batch_size: int = 256,
                num_workers: int = 0, backend: str = "auto", amp_dtype=None,
-               train_split: str = "train", keep_features: bool = False) -> dict:
+               train_split: str = "train", keep_features: bool = False, cache: dict | None = None) -> dict:
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
@@ -465,6 +484,10 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     log 'knn_top1' with the epoch in log.jsonl, which the viz command plots.
     keep_features: rank 0's result also holds 'features': {'train': (f, y), 'test': (f, y)}
     (CPU tensors, for a linear probe on the same extraction); it is not broadcast.
+    cache: a dict the caller keeps between calls (one process only): the first call puts
+    each split's eval images there, on `device`, as the loader made them (when they fit in
+    _CACHE_BYTES), and later calls extract from them in the same batches, with no dataset,
+    workers or transforms: the same features, without the loader's cost at every call.
     """
     import resmlp.data as rdata
     from resmlp.core import dist
@@ -472,11 +495,17 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
 
     temperature = check_temperature(temperature)
     transform = rdata.build_eval_transform(data_cfg)
+    device = torch.device(device)
     out = {}
+    keep = cache is not None and dist.world_size() == 1
     for split in (train_split, "test"):
-        ds = rdata.build_dataset(data_cfg, split, transform=transform)
-        loader = rdata.build_loader(ds, batch_size, train=False, num_workers=num_workers, seed=0)
-        out[split] = extract_features(model, loader, device, amp_dtype, desc=f"knn {split}")
+        batches = cache.get(split) if keep else None
+        if not batches:
+            ds = rdata.build_dataset(data_cfg, split, transform=transform)
+            batches = rdata.build_loader(ds, batch_size, train=False, num_workers=num_workers, seed=0)
+            if keep and split not in cache:
+                batches = _cached_batches(batches, len(ds), device, cache, split, _CACHE_BYTES)
+        out[split] = extract_features(model, batches, device, amp_dtype, desc=f"knn {split}")
     result = None
     if dist.is_main():
         (ftr, ytr), (fte, yte) = out[train_split], out["test"]

@@ -529,3 +529,23 @@ def test_viz_figures(run_dir, tmp_path):
         model.blocks[0].cross_patch.weight.copy_(torch.tensor([[1.0, 0.01], [0.0, -0.04]]).repeat(32, 32))
     assert sparsity(model)["A"][0] == pytest.approx(0.75)
     assert cli("viz", run_dir, "viz.central=9") == 2
+
+
+def test_online_knn_keeps_the_eval_images_between_calls(tmp_path, monkeypatch):
+    """With a cache, the second call builds no dataset and gives the same result."""
+    import resmlp.data as rdata
+    from resmlp.bench.rows import make_jpeg_folder
+    from resmlp.core.config import load_config
+    from resmlp.eval.knn import online_knn
+    make_jpeg_folder(str(tmp_path), 40, 24, 40, classes=4)
+    cfg = load_config("knn", "resmlp_s12", ["data=imagefolder", f"data.root={tmp_path}", "data.img_size=16"])
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten())
+    built = []
+    real = rdata.build_dataset
+    monkeypatch.setattr(rdata, "build_dataset", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    cache = {}
+    first = online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16, cache=cache)
+    assert len(built) == 2 and all(isinstance(cache[s], list) for s in ("train", "test"))
+    again = online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16, cache=cache)
+    assert len(built) == 2 and again == first
+    assert online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16) == first and len(built) == 4
