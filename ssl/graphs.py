@@ -137,7 +137,9 @@ class GraphedStep:
             if self.graph is None:
                 self.step.optimizer.zero_grad(set_to_none=True)  # the capture allocates them
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                # thread_local: the loader's pin-memory thread allocates pinned host memory
+                # while we capture; in the default global mode that call would break the capture
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                     self.out = self._update(zero_grad=False)
                 self.captures += 1
             self.graph.replay()
