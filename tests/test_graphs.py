@@ -149,3 +149,25 @@ def test_graphed_step_never_reads_the_device():
         torch.cuda.set_sync_debug_mode(0)
     assert step.graphed.captures == 1
     assert step.read()["nonfinite"] == 0
+
+
+@needs_cuda
+@pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").exists(),
+                    reason="Debian's dataset-fashion-mnist is not installed")
+def test_the_trainer_runs_graphed(tmp_path, monkeypatch):
+    """Two epochs of the trainer with dino.cuda_graphs=true (loader workers with pinned
+    memory beside the capture, the last layer thawing after epoch 1): finite, one capture."""
+    from resmlp.ssl import step as step_module
+    from resmlp.ssl import train as dino_train
+    built = []
+    real = step_module.build_dino_step
+    monkeypatch.setattr(dino_train, "build_dino_step", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", "model.dim=16", "model.depth=2", "data.subset=256",
+                                             "batch_size=32", "epochs=2", "dino.out_dim=64", "dino.hidden_dim=32",
+                                             "dino.bottleneck_dim=16", "dino.n_local_crops=2", "num_workers=2",
+                                             "eval_every=0", "dino.final_linear=false", "dino.cuda_graphs=true",
+                                             f"out={tmp_path}"])
+    summary = dino_train.train(cfg)[3]
+    assert built[0].graphed.captures == 1 and built[0].graphed.calls == 16
+    assert summary["knn_top1"] == 50.0
