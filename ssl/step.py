@@ -10,6 +10,9 @@ logs or saves, so the host can queue the next iterations while the device works.
 non-finite loss is therefore noticed at the next read, not at once: the weights may turn
 non-finite in between, which is why every checkpoint is preceded by a read and the run
 stops instead of saving (the last good checkpoint stays as it was).
+
+With dino.cuda_graphs the same update runs as one captured CUDA graph (ssl/graphs.py),
+its per-iteration values read from device tensors.
 """
 from __future__ import annotations
 
