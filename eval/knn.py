@@ -237,7 +237,7 @@ def _top_candidates(sims: torch.Tensor, k: int, block: int) -> tuple[torch.Tenso
     full = n // block
     if full <= k or block <= 1:
         return sims.topk(k, dim=1)
-    maxima = sims[:, :full * block].reshape(r, full, block).amax(2)
+    maxima = sims.unfold(1, block, block).amax(2)   # a strided view of the full blocks: no copy
     if n > full * block:
         maxima = torch.cat([maxima, sims[:, full * block:].amax(1, keepdim=True)], dim=1)
     cols = (maxima.topk(k, dim=1).indices.unsqueeze(2) * block
@@ -368,6 +368,8 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
     if chunk_size is None:
         chunk_size = _CHUNK_BYTES // (16 * d * min(n, 4 * (k + margin)))
+        # one candidate matmul per chunk: a remainder would read the train features again
+        chunk_size = min(chunk_size, getattr(search, "rows", chunk_size))
     chunk_size = int(max(1, min(_MAX_CHUNK, chunk_size)))
 
     at = search.device   # results stay there until the end: one copy back, not one per chunk
