@@ -251,7 +251,7 @@ def summarize(results: list, device: torch.device) -> list[dict]:
                 line("the same vs the reference DINO transform on the same files and core",
                      r["vs_reference"], GOALS["loader_vs_reference"], "higher", ".1f", cpu_goal=True)
     for r in _ok(results, "knn"):
-        if r["backend"] in ("torch", "faiss-gpu") and r.get("device") == device.type:
+        if r["backend"] in ("torch", "torch-device", "faiss-gpu") and r.get("device") == device.type:
             line(f"k-NN {r['backend']} on {r['device']}, {r['n_train']} x {r['dim']}, k={r['k']}, "
                  f"seconds for all queries", r["seconds_full"], GOALS["knn_seconds"], "lower", ".2f")
     return lines

@@ -85,13 +85,16 @@ def autocast_for(device: torch.device, precision: str):
     return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
 
 
-def build_our_step(cfg, device: torch.device, precision: str, compile: bool):
-    """The trainer's step (resmlp.ssl.step.build_dino_step) for a world of one."""
+def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None):
+    """The trainer's step (resmlp.ssl.step.build_dino_step) for a world of one; graphs:
+    dino.cuda_graphs (None: as cfg says)."""
     need_lightly()
     from omegaconf import OmegaConf
 
     from resmlp.ssl.step import build_dino_step
     cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
+    if graphs is not None:
+        cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": str(bool(graphs)).lower()}})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return build_dino_step(cfg, device, scaler, autocast_for(device, precision))
 
@@ -183,6 +186,12 @@ def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
             ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, batch, flops, pair))
         else:
             ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops))
+    for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
+        if str(kind) not in ("eager", "compile"):
+            raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
+        ident = {"model": model, "strategy": strategy, "impl": f"ours {kind}+graphs", "batch": batch}
+        ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile", flops,
+                                                      graphs=True))
     if p.reference:
         ident = {"model": model, "strategy": strategy, "impl": "reference", "batch": batch}
         # timed with the eager line when that one ran in this process (not taken from an earlier run)
@@ -257,24 +266,40 @@ def _dino_pair(ctx, model, strategy, batch, flops, pair) -> dict:
             **step_fields(times["ours"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
 
 
-def _dino_ours(ctx, model, strategy, batch, comp, flops) -> dict:
+def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False) -> dict:
     p, dev = ctx.p, ctx.device
+    if graphs and dev.type != "cuda":
+        raise Skip("CUDA graphs need a GPU")
     cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
-    step = build_our_step(cfg, dev, p.precision, comp)
+    step = build_our_step(cfg, dev, p.precision, comp, graphs=graphs)
+    extra = {}
     try:
+        if graphs:  # the warm-up calls and the capture, before the timing's own warm-up
+            extra["capture_s"] = _until_steady(step, crops, dev)
         t, loss = time_step(step, crops, dev, p)
         mem = peak_memory_gb(dev)
-        if "flops" not in flops:  # counted once, on the eager modules
-            saved = step.forward_student, step.forward_teacher
+        if graphs:
+            extra["captures"] = step.graphed.captures
+        if "flops" not in flops:  # counted once, on the eager modules, never through a graph
+            step.graphed = None
             step.forward_student = step.forward_teacher = None
             flops["flops"] = count_flops(lambda: call_step(step, crops))
-            step.forward_student, step.forward_teacher = saved
     finally:
         step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
     fields = step_fields(t, batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
-    return {"precision": p.precision, "crops": plan.label(), "loss": loss, **fields}
+    return {"precision": p.precision, "crops": plan.label(), "loss": loss, **fields, **extra}
+
+
+def _until_steady(step, crops, dev) -> float:
+    """Seconds of the graphed step's calls up to and including its capture."""
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(step.graphed.calls_to_steady_state):
+        call_step(step, crops)
+    sync(dev)
+    return time.perf_counter() - t0
 
 
 def _dino_reference(ctx, model, strategy, batch, flops) -> dict:
@@ -528,6 +553,11 @@ def _knn_one(ctx, backend: str, data) -> dict:
     on_gpu = dev.type == "cuda"
     if backend == "torch":
         where, name = dev, "torch"
+    elif backend == "torch-device":  # the features already on the GPU, as the trainer's extraction leaves them
+        if not on_gpu:
+            raise Skip("no GPU")
+        where, name = dev, "torch"
+        train, test = train.to(dev), test.to(dev)
     elif backend in ("torch-raw", "torch-raw-bf16"):
         return _knn_raw(ctx, train, test, torch.bfloat16 if backend.endswith("bf16") else torch.float32)
     elif backend in ("faiss-gpu", "faiss-cpu"):
@@ -545,8 +575,8 @@ def _knn_one(ctx, backend: str, data) -> dict:
         else:
             where, name = torch.device("cpu"), "faiss"
     else:
-        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-raw, torch-raw-bf16, "
-                         f"faiss-gpu, faiss-cpu")
+        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-raw, "
+                         f"torch-raw-bf16, faiss-gpu, faiss-cpu")
     from resmlp.eval.knn import knn_classify
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where)  # warm up

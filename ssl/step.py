@@ -10,6 +10,9 @@ logs or saves, so the host can queue the next iterations while the device works.
 non-finite loss is therefore noticed at the next read, not at once: the weights may turn
 non-finite in between, which is why every checkpoint is preceded by a read and the run
 stops instead of saving (the last good checkpoint stays as it was).
+
+With dino.cuda_graphs the same update runs as one captured CUDA graph (ssl/graphs.py),
+its per-iteration values read from device tensors.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class DinoStep:
     forward_student: object = None   # torch.compile'd versions, when compiling
     forward_teacher: object = None
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
+    graphed: object = None           # ssl.graphs.GraphedStep, with dino.cuda_graphs
 
     @property
     def raw_student(self) -> nn.Module:
@@ -44,21 +48,15 @@ class DinoStep:
 
     def __call__(self, crops: list[torch.Tensor], lr: float, weight_decay: float, momentum: float,
                  teacher_temp: float, epoch: int):
-        """One update. Returns (loss, teacher output, center used), all on the device."""
+        """One update. Returns (loss, teacher output, center used), all on the device (with
+        dino.cuda_graphs: buffers the next call overwrites)."""
+        if self.graphed is not None:
+            return self.graphed(crops, lr, weight_decay, momentum, teacher_temp, epoch)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
             if g.get("name") == "decay":
                 g["weight_decay"] = weight_decay
-        with self.autocast():
-            teacher = self.teacher if self.forward_teacher is None else self.forward_teacher
-            student = self.student if self.forward_student is None else self.forward_student
-            t_out = teacher(crops[:2])
-            s_out = student(crops)
-        # The head's last layer already ran in fp32 (head.head_forward); so does the
-        # loss: a softmax over tens of thousands of prototypes is not for bf16.
-        center = self.loss_fn.center.detach().clone()
-        loss = self.loss_fn(list(t_out.float().chunk(2)), list(s_out.float().chunk(self.n_crops)),
-                            teacher_temp=teacher_temp)
+        loss, t_out, center = self.forward_loss(crops, teacher_temp)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -69,6 +67,28 @@ class DinoStep:
         update_teacher(self.teacher, self.raw_student, momentum)
         loss, t_out = loss.detach(), t_out.detach()
         self.tally.add(loss, **teacher_stats(t_out, center, teacher_temp))
+        return loss, t_out, center
+
+    def forward_loss(self, crops: list[torch.Tensor], teacher_temp) -> tuple:
+        """Teacher and student forward and lightly's loss, which also moves the center:
+        (loss, teacher output, the center before the move). teacher_temp: a float, or a
+        0-dim tensor on the device (the graphed step's)."""
+        with self.autocast():
+            teacher = self.teacher if self.forward_teacher is None else self.forward_teacher
+            student = self.student if self.forward_student is None else self.forward_student
+            t_out = teacher(crops[:2])
+            s_out = student(crops)
+        # The head's last layer already ran in fp32 (head.head_forward); so does the
+        # loss: a softmax over tens of thousands of prototypes is not for bf16.
+        center = self.loss_fn.center.detach().clone()
+        buffer = self.loss_fn.center
+        kept = buffer.data
+        loss = self.loss_fn(list(t_out.float().chunk(2)), list(s_out.float().chunk(self.n_crops)),
+                            teacher_temp=teacher_temp)
+        # lightly gives the center new storage at every call (`center.data = ...`); a CUDA
+        # graph would keep reading the old one. The new values go back into the one buffer.
+        kept.copy_(buffer.data)
+        buffer.data = kept
         return loss, t_out, center
 
     def read(self) -> dict:
@@ -95,31 +115,35 @@ def clip_per_parameter(parameters, max_norm: float) -> None:
     torch._foreach_mul_(grads, factors)
 
 
-def build_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
     """AdamW over our parameter groups; fused into one kernel per group on CUDA (the
-    same update, without a launch per parameter)."""
+    same update, without a launch per parameter); capturable for a CUDA graph."""
     from resmlp.core.optim import param_groups
-    return torch.optim.AdamW(param_groups(model), lr=0.0, weight_decay=0.0, fused=device.type == "cuda")
+    return torch.optim.AdamW(param_groups(model), lr=0.0, weight_decay=0.0, fused=device.type == "cuda",
+                             capturable=capturable)
 
 
 def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | None = None,
                     autocast=contextlib.nullcontext, world_size: int = 1) -> DinoStep:
-    """Student, teacher, lightly's loss, AdamW, DDP and torch.compile as `cfg` says:
-    the step the trainer runs and the benchmark times."""
+    """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
+    `cfg` says: the step the trainer runs and the benchmark times."""
     from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
+    graphs = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, world_size, scaler.is_enabled())
     plan = crop_plan(cfg)
     student, teacher = build_networks(cfg, device)
     loss_fn = build_dino_loss(cfg.dino).to(device)
-    optimizer = build_optimizer(student, device)
+    optimizer = build_optimizer(student, device, capturable=graphs)
     trained = student
     if world_size > 1:
         trained = torch.nn.parallel.DistributedDataParallel(
             student, device_ids=[device.index] if device.type == "cuda" else None)
-    step = DinoStep(trained, teacher, loss_fn, optimizer,
-                    scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False),
-                    plan.n_crops, float(cfg.optim.clip_grad), autocast)
+    step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast)
     if cfg.compile:
         step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
+    if graphs:
+        step.graphed = GraphedStep(step)
     return step

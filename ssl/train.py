@@ -21,13 +21,15 @@ from resmlp.ssl.health import CollapseWatch, collapse_warning
 from resmlp.ssl.step import build_dino_step
 
 
-def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> dict:
-    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features."""
+def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None) -> dict:
+    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features.
+    cache: the run's dict of eval images kept between calls (eval.knn.online_knn)."""
     from resmlp.eval.knn import online_knn
     k, temp = 20, float(cfg.knn.temperature)
     res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
                      batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
-                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32, keep_features=linear)
+                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32, keep_features=linear,
+                     cache=cache)
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
     if linear:
@@ -79,13 +81,14 @@ def train(cfg):
     state = {"student": step.raw_student, "teacher": teacher, "optimizer": step.optimizer,
              "center": step.loss_fn.center, "scaler": run.scaler}
     start_it, results = run.restore(**state)
+    knn_images = {}  # the eval images, loaded and transformed once for every k-NN of the run
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
     with cadence.evaluating():
         if not start_it and (demo or cfg.eval_every):
-            results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
+            results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init", cache=knn_images)
             run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
         if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
-            results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
+            results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=knn_images)
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     collapse = CollapseWatch(cfg.dino.collapse_kl, cfg.dino.collapse_patience, cfg.dino.bottleneck_norm)
 
@@ -132,7 +135,7 @@ def train(cfg):
             run.print(f"warning: {warning}")
         if cadence.eval_due(epoch + 1):
             with cadence.evaluating():
-                res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
+                res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images)
             run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
         cadence.checkpoint(it)
 
@@ -141,7 +144,8 @@ def train(cfg):
         torch.save({"student": step.raw_student.state_dict(), "teacher": teacher.state_dict()},
                    run.dir / f"weights_rank{run.rank}.pth")
     with cadence.evaluating(final=True):
-        final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear)
+        final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear,
+                           cache=knn_images)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
     if "init" in results and run.is_main:

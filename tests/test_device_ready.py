@@ -93,12 +93,17 @@ class FreshHostTensors(TorchDispatchMode):
         return out
 
 
-def test_step_and_augmentation_make_no_host_reads(monkeypatch):
+@pytest.mark.parametrize("graphed", [False, True])
+def test_step_and_augmentation_make_no_host_reads(monkeypatch, graphed):
     """Three DINO steps with the batched augmentation: not a single read of a device value,
-    and no fresh host tensor to copy to the device."""
+    and no fresh host tensor to copy to the device. graphed: the body dino.cuda_graphs
+    captures, run uncaptured."""
     from resmlp.data.gpu_augment import GpuMultiCrop
+    from resmlp.ssl.graphs import GraphedStep
     cfg, plan = tiny_step()
     step = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
+    if graphed:
+        step.graphed = GraphedStep(step, capture=False)
     aug = GpuMultiCrop.from_plan(plan, cfg.data)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
     sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1)  # what the loader sends

@@ -91,32 +91,67 @@ def test_faiss_and_torch_backends_agree_with_ties(k):
     np.testing.assert_allclose(b.numpy(), ref, rtol=1e-5)
 
 
-def test_a_coarse_candidate_pass_keeps_the_neighbours_exact(monkeypatch):
-    """The GPU's candidate pass runs in TF32; the re-rank and the rounding bound keep the
-    result exact. Emulated here with a much coarser pass (bf16 operands) and its bound:
-    the same neighbours as the float32 pass, queries that fail the check are searched
-    again, and with the bound ignored the answer would be wrong."""
+def numpy_neighbours(train, test, k):
+    """The k nearest by float64 cosine of the raw features, ties to the lower index."""
+    tr = train.astype(np.float64) / np.linalg.norm(train.astype(np.float64), axis=1, keepdims=True)
+    te = test.astype(np.float64) / np.linalg.norm(test.astype(np.float64), axis=1, keepdims=True)
+    sims = te @ tr.T
+    return np.stack([np.lexsort((np.arange(len(row)), -row))[:k] for row in sims])
+
+
+@pytest.mark.parametrize("block", [7, 64])
+def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, block):
+    """The GPU's candidate pass: a bf16 matmul, rows reduced to block maxima before the
+    top-k, run here on the CPU (block 7: pruning on, with a ragged last block; 64: off at
+    this size). Same neighbours as the float64 brute force and the float32 pass, same
+    predictions; queries that fail the rounding check are searched again; with the bound
+    ignored the answer would be wrong."""
     from resmlp.eval import knn as K
     g = torch.Generator().manual_seed(3)
     centers = torch.randn(30, 48, generator=g)
-    xtr = centers[torch.randint(0, 30, (3000,), generator=g)] + 0.15 * torch.randn(3000, 48, generator=g)
+    xtr = centers[torch.randint(0, 30, (3001,), generator=g)] + 0.15 * torch.randn(3001, 48, generator=g)
     xte = centers[torch.randint(0, 30, (200,), generator=g)] + 0.15 * torch.randn(200, 48, generator=g)
+    ytr = torch.randint(0, 30, (3001,), generator=g)
     want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    assert (want_i.numpy() == numpy_neighbours(xtr.numpy(), xte.numpy(), 20)).all()
+    want_scores = knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu")
 
+    monkeypatch.setitem(K._TorchSearch.DTYPES, "cpu", torch.bfloat16)
+    monkeypatch.setattr(K._TorchSearch, "BLOCK", block)
     calls = []
-
-    def coarse(self, q, k):
-        calls.append(k)
-        sims = q.bfloat16().float() @ self.train.bfloat16().float().T
-        return sims.topk(k, dim=1)
-
-    monkeypatch.setattr(K._TorchSearch, "__call__", coarse)
-    monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 2.0 * (2.0 * 2.0**-8 + d * 2.0**-24))
+    real = K._TorchSearch.__call__
+    monkeypatch.setattr(K._TorchSearch, "__call__", lambda self, q, k: calls.append(k) or real(self, q, k))
     got_s, got_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
     assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
     assert len(set(calls)) > 1  # some queries needed a wider second search
+    assert torch.equal(knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu"), want_scores)
     monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 0.0)
     assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
+
+
+@pytest.mark.cuda
+def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
+    """On the GPU (bf16 pass, block maxima, float64 re-rank there) the same neighbours and
+    similarities as the CPU's float32 pass, from CPU and from GPU tensors alike."""
+    from resmlp.eval import knn as K
+    monkeypatch.setattr(K._TorchSearch, "BLOCK", 7)
+    xtr, _, xte = tie_features()
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
+        got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
+        assert torch.equal(got_i, want_i)
+        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+
+
+def test_top_candidates_through_block_maxima_is_topk():
+    from resmlp.eval.knn import _top_candidates
+    g = torch.Generator().manual_seed(0)
+    sims = torch.randn(40, 1003, generator=g).bfloat16()   # bf16: many ties
+    sims[3, 500:540] = 9.0                                  # one block holds the whole top
+    for k, block in ((5, 7), (20, 16), (30, 64), (40, 1)):
+        v, i = _top_candidates(sims, k, block)
+        assert torch.equal(v, sims.topk(k, dim=1).values)
+        assert torch.equal(sims.gather(1, i), v) and (i.sort(1).values.diff(1) > 0).all()
 
 
 def test_chunking_does_not_change_results():
@@ -494,3 +529,23 @@ def test_viz_figures(run_dir, tmp_path):
         model.blocks[0].cross_patch.weight.copy_(torch.tensor([[1.0, 0.01], [0.0, -0.04]]).repeat(32, 32))
     assert sparsity(model)["A"][0] == pytest.approx(0.75)
     assert cli("viz", run_dir, "viz.central=9") == 2
+
+
+def test_online_knn_keeps_the_eval_images_between_calls(tmp_path, monkeypatch):
+    """With a cache, the second call builds no dataset and gives the same result."""
+    import resmlp.data as rdata
+    from resmlp.bench.rows import make_jpeg_folder
+    from resmlp.core.config import load_config
+    from resmlp.eval.knn import online_knn
+    make_jpeg_folder(str(tmp_path), 40, 24, 40, classes=4)
+    cfg = load_config("knn", "resmlp_s12", ["data=imagefolder", f"data.root={tmp_path}", "data.img_size=16"])
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten())
+    built = []
+    real = rdata.build_dataset
+    monkeypatch.setattr(rdata, "build_dataset", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    cache = {}
+    first = online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16, cache=cache)
+    assert len(built) == 2 and all(isinstance(cache[s], list) for s in ("train", "test"))
+    again = online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16, cache=cache)
+    assert len(built) == 2 and again == first
+    assert online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16) == first and len(built) == 4
