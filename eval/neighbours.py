@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MATCH, MISMATCH, QUERY = "#1a9641", "#d7191c", "black"
+MATCH, MISMATCH, QUERY = "#1a9641", "#d7191c", "#2b83ba"
 
 
 def pick_queries(labels, n: int, seed: int = 0) -> list[int]:
@@ -75,16 +75,17 @@ def shown_images(dataset, indices, mean, std) -> list[np.ndarray]:
     return out
 
 
-def _frame(ax, color: str, width: float = 2.5) -> None:
-    ax.set_xticks([])
-    ax.set_yticks([])
-    for spine in ax.spines.values():
-        spine.set_edgecolor(color)
-        spine.set_linewidth(width)
+def _hex_rgb(color: str) -> np.ndarray:
+    from matplotlib.colors import to_rgb
+    return np.array(to_rgb(color))
 
 
 def draw_neighbours(nb: dict, query_images, neighbour_images, class_names, title: str, dpi: int = 150):
-    """The grid as a matplotlib Figure (Agg canvas); neighbour_images: one list of k per query."""
+    """The grid as a matplotlib Figure (Agg canvas); neighbour_images: one list of k per query.
+
+    One mosaic image with the frames painted in, and text at its pixel positions: a few
+    artists instead of an axes per image (a grid draws in well under a second).
+    """
     from resmlp.eval.viz import new_figure, wrap
     n, k = len(nb["queries"]), nb["k"]
     names = list(class_names or [])
@@ -92,23 +93,33 @@ def draw_neighbours(nb: dict, query_images, neighbour_images, class_names, title
     def name(y: int) -> str:
         return names[y] if 0 <= y < len(names) else str(y)
 
-    fig = new_figure(1.0 * (k + 1) + 0.4, 1.25 * n + 0.5, dpi)
-    fig.set_layout_engine("constrained", w_pad=0.02, h_pad=0.02, wspace=0.02, hspace=0.02)
-    gs = fig.add_gridspec(n, k + 2, width_ratios=[1, 0.1] + [1] * k)
+    s = query_images[0].shape[0]                 # the eval transform's square crop
+    b = max(1, round(s / 14))                    # frame width
+    cell, gap, sep, text = s + 2 * b, max(1, s // 10), s // 3, max(2, round(0.14 * s))
+    x0 = [0] + [cell + sep + c * (cell + gap) for c in range(k)]
+    width = x0[-1] + cell
+    height = n * (cell + 2 * text)
+    mosaic = np.ones((height, width, 3))
+    fig = new_figure(width / s * 0.95, height / s * 0.95 + 0.45, dpi)
+    ax = fig.add_axes((0, 0, 1, height / s * 0.95 / (height / s * 0.95 + 0.45)))
     for r in range(n):
-        ax = fig.add_subplot(gs[r, 0])
-        ax.imshow(query_images[r], interpolation="nearest")
-        _frame(ax, QUERY)
-        ax.set_title(f"#{nb['queries'][r]} {name(nb['query_labels'][r])}", fontsize=6)
+        y = r * (cell + 2 * text) + text
+        row = [(query_images[r], QUERY)] + [(neighbour_images[r][c], MATCH if nb["match"][r][c] else MISMATCH)
+                                           for c in range(k)]
+        for c, (img, color) in enumerate(row):
+            mosaic[y:y + cell, x0[c]:x0[c] + cell] = _hex_rgb(color)
+            mosaic[y + b:y + b + s, x0[c] + b:x0[c] + b + s] = img[..., :3]
+        ax.text(x0[0] + cell / 2, y - 1, f"#{nb['queries'][r]} {name(nb['query_labels'][r])}",
+                ha="center", va="bottom", fontsize=6)
         for c in range(k):
-            ax = fig.add_subplot(gs[r, c + 2])
-            ax.imshow(neighbour_images[r][c], interpolation="nearest")
-            ok = nb["match"][r][c]
-            _frame(ax, MATCH if ok else MISMATCH)
-            ax.set_xlabel(f"{nb['similarities'][r][c]:.3f}", fontsize=6, labelpad=1)
-            if not ok:
-                ax.set_title(name(nb["labels"][r][c]), fontsize=5, color=MISMATCH, pad=2)
-    fig.suptitle(wrap(title, 15 * (k + 1)), fontsize=7)
+            mid = x0[c + 1] + cell / 2
+            ax.text(mid, y + cell + 1, f"{nb['similarities'][r][c]:.3f}", ha="center", va="top", fontsize=6)
+            if not nb["match"][r][c]:
+                ax.text(mid, y - 1, name(nb["labels"][r][c]), ha="center", va="bottom", fontsize=5,
+                        color=MISMATCH)
+    ax.imshow(mosaic, interpolation="nearest")
+    ax.set_axis_off()
+    fig.suptitle(wrap(title, 16 * (k + 1)), fontsize=7, y=0.995, va="top")
     return fig
 
 
