@@ -304,6 +304,24 @@ def _figures(value) -> list[str]:
     return figs
 
 
+def weight_inputs(model: nn.Module, info: dict, figures, central=None, threshold: float = THRESHOLD):
+    """(the ResMLP whose weights are drawn, its A matrices or None, the central c or None),
+    or the UserError that stops the weight figures: checked before any feature is extracted."""
+    if not 0 < threshold < 1:
+        raise UserError(f"viz.threshold={threshold} must be between 0 and 1 (the paper uses 0.05)")
+    if any(f in figures for f in ("cross_patch", "sparsity")):
+        model = as_resmlp(model, info)
+    if "cross_patch" not in figures:
+        return model, None, None
+    mats = cross_patch_matrices(model)
+    grid = tuple(model.grid_size)
+    c = default_central(grid) if central is None else int(central)
+    if not 1 <= c <= min(grid):
+        raise UserError(f"viz.central={central} must be between 1 and {min(grid)} "
+                        f"(the {grid[0]}x{grid[1]} patch grid)")
+    return model, mats, c
+
+
 def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIGURES, central=None,
                  threshold: float = THRESHOLD, dpi: int = 150, log=print,
                  inputs: FeatureInputs | None = None) -> dict:
@@ -311,25 +329,17 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIG
     The feature figures (neighbours, patch_pca) need `inputs`."""
     from resmlp.models.checkpoints import describe
 
-    if not 0 < threshold < 1:
-        raise UserError(f"viz.threshold={threshold} must be between 0 and 1 (the paper uses 0.05)")
-    out_dir = Path(out_dir)
-    label = f"{info.get('model')} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
-    result: dict = {"loaded": describe(info), "files": [], "notes": []}
-    backbone = model   # the feature figures read the backbone as loaded (timm's too)
     if any(f in FEATURE_FIGURES for f in figures) and inputs is None:
         raise UserError(f"viz.figures={list(figures)}: {', '.join(FEATURE_FIGURES)} need the data "
                         "and features (FeatureInputs)")
-    needs_model = [f for f in figures if f in ("cross_patch", "sparsity")]
-    if needs_model:
-        model = as_resmlp(model, info)
-    mats = cross_patch_matrices(model) if "cross_patch" in figures else None
+    backbone = model   # the feature figures read the backbone as loaded (timm's too)
+    model, mats, c = weight_inputs(model, info, figures, central, threshold)
+    out_dir = Path(out_dir)
+    label = f"{info.get('model')} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
+    result: dict = {"loaded": describe(info), "files": [], "notes": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     if "cross_patch" in figures:
         grid = tuple(model.grid_size)
-        c = default_central(grid) if central is None else int(central)
-        if not 1 <= c <= min(grid):
-            raise UserError(f"viz.central={central} must be between 1 and {min(grid)} (the {grid[0]}x{grid[1]} patch grid)")
         path = out_dir / "cross_patch.png"
         draw_cross_patch(mats, grid, c, path,
                          f"{label}\nrows of A for the central {c}x{c} patches, "
@@ -394,8 +404,9 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
                                     inputs.k, inputs.backend, inputs.device, dpi)
         fig.savefig(out_dir / "neighbours.png", dpi=dpi)
         files.append("neighbours.png")
+        backend = backend_name(inputs.backend, inputs.device)
         out["neighbours"] = {"split": "test -> train", "seed": inputs.seed,
-                             "search": f"eval.knn.query_neighbours, backend {backend_name(inputs.backend, inputs.device)}",
+                             "search": f"eval.knn.query_neighbours, backend {backend}",
                              "train_cache": tr.get("cache"), "test_cache": te.get("cache"), **nb}
     if "patch_pca" in figures:
         size = int(inputs.pca_size or data_cfg.img_size)
@@ -446,6 +457,7 @@ def viz_command(cfg, bb) -> dict | None:
     from resmlp.eval.knn import check_ks
     v = cfg.viz
     figures = _figures(v.figures)
+    weight_inputs(bb.model, bb.info, figures, v.central, float(v.threshold))
     features = None
     if "neighbours" in figures:  # every process extracts its shard, as for the knn command
         features = {split: split_features(cfg, bb, split) for split in ("train", "test")}
