@@ -6,14 +6,13 @@ features the caller already has: the `viz` command's (eval/features.py, the k-NN
 command's cache) or the DINO trainer's online k-NN. This module only picks the queries
 and draws:
 
-neighbours.png: one row per query: the query (black frame, its class), then its k
+neighbours.png: one row per query: the query (blue frame, its class), then its k
   nearest training images, nearest first, framed green where the label matches the
   query's and red where it does not (the neighbour's class is then printed above it),
   with the cosine similarity printed below. What is shown is the eval transform's
   image, the crop the features were computed from.
 """
 from __future__ import annotations
-
 
 import numpy as np
 import torch
