@@ -26,8 +26,8 @@ COMMANDS = {
                    {"k": "knn.k", "T": "knn.temperature", "key": "features.key"}),
     "linear": Command("resmlp.eval.linear:run", "linear probe on frozen features", "checkpoint",
                       {"key": "features.key"}),
-    "viz": Command("resmlp.eval.viz:run", "the paper's figures: cross-patch weights, sparsity, curves",
-                   "checkpoint", {"key": "features.key"}),
+    "viz": Command("resmlp.eval.viz:run", "figures: cross-patch weights, sparsity, curves, neighbours, "
+                   "patch PCA", "checkpoint", {"key": "features.key", "k": "viz.k"}),
     "supervised": Command("resmlp.supervised.train:run", "supervised training from scratch", "model"),
     "distill": Command("resmlp.supervised.train:run", "DeiT hard (or soft) distillation from a teacher",
                        "model", {"teacher": "distill.teacher"}),

@@ -275,6 +275,12 @@ class Run:
         self.open()
         self.logger.write(record, step)
 
+    def log_image(self, tag: str, image, step: int) -> None:
+        """An (H, W, 3) uint8 picture into TensorBoard (rank 0; nothing without TensorBoard)."""
+        self.open()
+        if self.logger.tb is not None:
+            self.logger.tb.add_image(tag, image, step, dataformats="HWC")
+
     def check_finite(self, loss: torch.Tensor, where: str) -> None:
         if not math.isfinite(float(loss)):
             self.stop_nonfinite(float(loss), where)

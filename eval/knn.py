@@ -395,6 +395,19 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     return out_s.cpu(), out_i.cpu()
 
 
+def query_neighbours(train_features, test_features, queries, k: int, backend: str = "auto",
+                     device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(similarities, train indices), each (len(queries), k): the neighbours the evaluator's
+    search gives the test features at `queries`, for pictures of what the k-NN votes with.
+    A row of knn_search depends only on its own query (exact re-rank, canonical order), so
+    these equal the rows knn_evaluate and online_knn vote with."""
+    test = _features(test_features, "test features")
+    q = torch.as_tensor(queries, dtype=torch.int64).reshape(-1)
+    if q.numel() == 0 or int(q.min()) < 0 or int(q.max()) >= test.shape[0]:
+        raise UserError(f"query indices must lie in 0..{test.shape[0] - 1} (the test split)")
+    return knn_search(train_features, test[q], k, backend, device=device)
+
+
 # --------------------------------------------------------------------------- votes
 
 def _vote(sims: torch.Tensor, idx: torch.Tensor, train_labels: torch.Tensor, num_classes: int,
@@ -485,7 +498,9 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     DINO's k=20 by default), 'knn_top1', 'knn_top5' (at knn_k), 'n_train', 'n_test'}:
     log 'knn_top1' with the epoch in log.jsonl, which the viz command plots.
     keep_features: rank 0's result also holds 'features': {'train': (f, y), 'test': (f, y)}
-    (CPU tensors, for a linear probe on the same extraction); it is not broadcast.
+    (CPU tensors, for a linear probe or a neighbours grid on the same extraction) and
+    'datasets': {'train': ..., 'test': ...} (eval-transformed, the features' order); they
+    are not broadcast.
     cache: a dict the caller keeps between calls (one process only): the first call puts
     each split's eval images there, on `device`, as the loader made them (when they fit in
     _CACHE_BYTES), and later calls extract from them in the same batches, with no dataset,
@@ -498,15 +513,17 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     temperature = check_temperature(temperature)
     transform = rdata.build_eval_transform(data_cfg)
     device = torch.device(device)
-    out = {}
+    out, datasets = {}, {}
     keep = cache is not None and dist.world_size() == 1
     for split in (train_split, "test"):
-        batches = cache.get(split) if keep else None
+        batches, ds = (cache.get(split) if keep else None), None
         if not batches:
             ds = rdata.build_dataset(data_cfg, split, transform=transform)
             batches = rdata.build_loader(ds, batch_size, train=False, num_workers=num_workers, seed=0)
             if keep and split not in cache:
                 batches = _cached_batches(batches, len(ds), device, cache, split, _CACHE_BYTES)
+        if keep_features:  # the pictures index the images themselves, cached batches or not
+            datasets[split] = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
         out[split] = extract_features(model, batches, device, amp_dtype, desc=f"knn {split}")
     result = None
     if dist.is_main():
@@ -520,6 +537,7 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     result = dist.broadcast_object(result)
     if keep_features and dist.is_main():
         result["features"] = {"train": out[train_split], "test": out["test"]}
+        result["datasets"] = {"train": datasets[train_split], "test": datasets["test"]}
     return result
 
 

@@ -21,17 +21,25 @@ from resmlp.ssl.health import CollapseWatch, collapse_warning
 from resmlp.ssl.step import build_dino_step
 
 
-def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None) -> dict:
-    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features.
+def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None,
+               picture_step: int | None = None) -> dict:
+    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features;
+    with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard.
     cache: the run's dict of eval images kept between calls (eval.knn.online_knn)."""
     from resmlp.eval.knn import online_knn
     k, temp = 20, float(cfg.knn.temperature)
+    picture = picture_step is not None and bool(cfg.dino.tensorboard_neighbours)
     res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
                      batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
-                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32, keep_features=linear,
-                     cache=cache)
+                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
+                     keep_features=linear or picture, cache=cache)
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
+    if picture and run.is_main:
+        from resmlp.eval.neighbours import online_grid
+        run.log_image("knn_neighbours", online_grid(res, cfg.data, f"teacher, {tag}: k-NN top-1 "
+                                                    f"{out['knn_top1']:.2f}", seed=int(cfg.seed),
+                                                    backend=cfg.knn.backend), picture_step)
     if linear:
         lin = {}
         if run.is_main:
@@ -85,7 +93,8 @@ def train(cfg):
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
     with cadence.evaluating():
         if not start_it and (demo or cfg.eval_every):
-            results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init", cache=knn_images)
+            results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init", cache=knn_images,
+                                         picture_step=0 if cfg.eval_every else None)
             run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
         if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
             results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=knn_images)
@@ -135,7 +144,8 @@ def train(cfg):
             run.print(f"warning: {warning}")
         if cadence.eval_due(epoch + 1):
             with cadence.evaluating():
-                res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images)
+                res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images,
+                                 picture_step=it)
             run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
         cadence.checkpoint(it)
 
@@ -145,7 +155,8 @@ def train(cfg):
                    run.dir / f"weights_rank{run.rank}.pth")
     with cadence.evaluating(final=True):
         final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear,
-                           cache=knn_images)
+                           cache=knn_images,
+                           picture_step=it if cfg.eval_every else None)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
     if "init" in results and run.is_main:

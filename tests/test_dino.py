@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,6 +183,12 @@ def test_run_writes_outputs_and_prints_knn(tmp_path):
     for name in ("config.yaml", "checkpoint.pth", "log.jsonl", "results.json"):
         assert (tmp_path / name).exists(), name
     assert list((tmp_path / "tb").glob("events.*"))
+    # the neighbours grid of every k-NN of eval_every (and of the one at init) in TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    tb.Reload()
+    grids = tb.Images("knn_neighbours")
+    assert [g.step for g in grids] == [0, 2, 4] and all(g.width > 200 and g.height > 200 for g in grids)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     train_lines = [r for r in records if "loss" in r]
     for key in ("lr", "wd", "momentum", "teacher_temp", "teacher_entropy", "teacher_kl_mean",
@@ -194,6 +201,45 @@ def test_run_writes_outputs_and_prints_knn(tmp_path):
     assert set(ckpt) >= {"student", "teacher", "optimizer", "center", "scaler", "epoch", "iteration",
                          "rng", "config"}
     assert any(k.startswith("backbone.") for k in ckpt["teacher"])
+
+
+def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypatch):
+    from resmlp.eval import knn
+    from resmlp.ssl.train import knn_report
+
+    class Images(list):
+        classes = ["a", "b", "c"]
+
+    g = torch.Generator().manual_seed(0)
+    data = {split: (torch.randn(n, 5, generator=g), torch.arange(n) % 3) for split, n in (("train", 30), ("test", 9))}
+    sets = {split: Images((torch.rand(3, 8, 8, generator=g), int(y)) for y in data[split][1]) for split in data}
+    asked = []
+
+    def online_knn(*args, keep_features=False, **kwargs):
+        asked.append(keep_features)   # the grid reuses the k-NN's own features, extracted once
+        out = {"knn_top1": 50.0, "knn_top5": 90.0}
+        return {**out, "features": data, "datasets": sets} if keep_features else out
+
+    class FakeRun:
+        is_main, device, world_size, amp_dtype = True, torch.device("cpu"), 1, None
+        images = []
+
+        def print(self, *args):
+            pass
+
+        def log_image(self, tag, image, step):
+            self.images.append((tag, image.shape, image.dtype, step))
+
+    monkeypatch.setattr(knn, "online_knn", online_knn)
+    run, cfg = FakeRun(), tiny_cfg(tmp_path)
+    knn_report(run, None, cfg, "epoch 1", picture_step=7)
+    assert asked == [True] and len(run.images) == 1
+    tag, shape, dtype, step = run.images[0]
+    assert tag == "knn_neighbours" and step == 7 and shape[2] == 3 and shape[0] > 100 and dtype == np.uint8
+    knn_report(run, None, cfg, "end")                   # the final k-NN: no picture step
+    cfg.dino.tensorboard_neighbours = False
+    knn_report(run, None, cfg, "epoch 2", picture_step=9)
+    assert asked == [True, False, False] and len(run.images) == 1
 
 
 @needs_fmnist
