@@ -119,7 +119,9 @@ case "$cmd" in
   test)
     shift; choose_python
     ensure_fashion_mnist
-    set +e; "$PY" -m pytest tests -q "$@"; rc=$?; set -e
+    # the whole suite, unless the arguments name test files or folders themselves
+    where=tests; for a in "$@"; do case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && where= ;; esac; done
+    set +e; "$PY" -m pytest $where -q "$@"; rc=$?; set -e
     [ "$rc" = 5 ] && { say "pytest collected no tests"; exit 1; }
     exit "$rc" ;;
 esac
