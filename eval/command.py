@@ -23,7 +23,7 @@ from resmlp.core.checkpoint import atomic_write
 from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
 from resmlp.eval.features import amp_dtype_from_precision, features_for
-from resmlp.models.checkpoints import describe, load_backbone
+from resmlp.models.load import describe, load_backbone
 
 
 def log(msg: str) -> None:

@@ -43,7 +43,7 @@ def as_resmlp(model: nn.Module, info: dict) -> nn.Module:
     from resmlp.models import ResMLP
     if isinstance(model, ResMLP):
         return model
-    from resmlp.models.checkpoints import resmlp_from_state_dict
+    from resmlp.models.load import resmlp_from_state_dict
     try:
         return resmlp_from_state_dict(model.state_dict(), str(info.get("spec")))[0]
     except UserError:
@@ -273,7 +273,7 @@ def _figures(value) -> list[str]:
 def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, central=None,
                  threshold: float = THRESHOLD, dpi: int = 150, log=print) -> dict:
     """Draw the requested figures of `model` into out_dir; return viz.json's content."""
-    from resmlp.models.checkpoints import describe
+    from resmlp.models.load import describe
 
     if not 0 < threshold < 1:
         raise UserError(f"viz.threshold={threshold} must be between 0 and 1 (the paper uses 0.05)")

@@ -30,7 +30,7 @@ def build_model(model_cfg, num_classes: int = 0) -> nn.Module:
 
 def _create(model_cfg, num_classes: int) -> nn.Module:
     from resmlp.models import create_model, list_models
-    from resmlp.models.checkpoints import create_timm
+    from resmlp.models.load import create_timm
     name = model_cfg.name
     kwargs = model_kwargs(model_cfg)
     if name in list_models():

@@ -693,7 +693,7 @@ def convert_state_dict(sd: Mapping) -> dict:
     """A timm (resmlp_*_224), official (facebookresearch/deit resmlp_models.py) or own
     plain state_dict -> this module's keys and shapes (Aff alpha/beta as [D]). The format
     is detected from the keys; our own keys pass through. Checkpoint files (wrapped in
-    'model', 'teacher', DDP's 'module.', ...) are opened by resmlp.models.checkpoints."""
+    'model', 'teacher', DDP's 'module.', ...) are opened by resmlp.models.load."""
     fmt = detect_format(sd)
     rules = {'timm': _TIMM_RULES, 'official': _OFFICIAL_RULES}.get(fmt, [])
     out = {}

@@ -97,7 +97,7 @@ def build_criterion(cfg, mixup) -> nn.Module:
 def init_from_checkpoint(model: nn.Module, cfg) -> dict:
     """Fine-tuning: copy the checkpoint's backbone (DINO: the `teacher` network's backbone.*)
     into `model`; the head stays new. A backbone that does not fit is a UserError."""
-    from resmlp.models.checkpoints import describe, load_backbone, load_into
+    from resmlp.models.load import describe, load_backbone, load_into
     spec = cfg.checkpoint
     if not spec:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
