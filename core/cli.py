@@ -34,7 +34,7 @@ COMMANDS = {
     "finetune": Command("resmlp.supervised.train:run", "supervised fine-tuning of a DINO checkpoint",
                         "checkpoint"),
     "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model"),
-    "export": Command("resmlp.models.load:run", "a backbone for timm / the official code / safetensors",
+    "export": Command("resmlp.eval.export:run", "a backbone for timm / the official code / safetensors",
                       "checkpoint", {"format": "export.format", "key": "features.key"}),
     "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)"),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),

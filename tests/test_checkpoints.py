@@ -16,7 +16,7 @@ from resmlp.core.checkpoint import save_checkpoint
 from resmlp.core.cli import main
 from resmlp.core.errors import UserError
 from resmlp.models import create_model, detect_format, load_pretrained
-from resmlp.models.load import export
+from resmlp.eval.export import export
 
 ROOT = Path(__file__).resolve().parent.parent
 
