@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from resmlp.data.gpu_augment import GpuMultiCrop
     from resmlp.data.resumable import build_train_loader
     from resmlp.bench import rows as R
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -101,7 +101,7 @@ def build_reference_step(cfg, device: torch.device, strategy: str):
     crops (resize, none), ours with grid adaptation otherwise."""
     need_lightly()
     from resmlp.bench.reference import RefDinoStep, build_reference_networks, model_dims, timm_name
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     plan = crop_plan(cfg)
     backbone = "timm" if strategy in ("resize", "none") else "ours"
     student, teacher = build_reference_networks(cfg, device, backbone)
@@ -179,7 +179,7 @@ def dino_family(ctx) -> None:
 
 def _step_inputs(ctx, model, strategy):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     reset_memory(ctx.device)
     cfg = dino_config(ctx.p, model, strategy)
     plan = crop_plan(cfg)
@@ -321,7 +321,7 @@ def loader_rate(loader, sampler, consume, warmup: int, steps: int, device, batch
 
 
 def e2e_family(ctx) -> None:
-    """The trainer's data path (ssl.crop_plan.build_views + data.resumable.build_train_loader)
+    """The trainer's data path (data.crop_plan.build_views + data.resumable.build_train_loader)
     feeding the trainer's step, for each place the views can be made."""
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
     workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
@@ -353,7 +353,7 @@ def e2e_family(ctx) -> None:
 
 
 def _e2e_synthetic(ctx, state) -> dict:
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     p, dev = ctx.p, ctx.device
     plan = crop_plan(state["cfg"])
     crops = synthetic_crops(plan, int(p.batch_size), dev)
@@ -369,7 +369,7 @@ def _e2e(ctx, state, where: str, decode: str = "cpu") -> dict:
 
     from resmlp.data import build_dataset
     from resmlp.data.resumable import build_train_loader
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
     p, e, dev, step = ctx.p, ctx.p.e2e, ctx.device, state["step"]
     cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}, "data": {"decode": decode}})
     batch = int(p.batch_size)
@@ -579,7 +579,7 @@ def aug_family(ctx) -> None:
     from resmlp.data.decode import SourceDecoder, collate_sources, source_side
     from resmlp.data.gpu_augment import GpuMultiCrop
     from resmlp.data.transforms import mean_std
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     a, p = ctx.p.aug, ctx.p
     cfg = dino_config(p, ctx.models[0], "subgrid")
     plan = crop_plan(cfg)
@@ -715,7 +715,7 @@ def _loader_lines(ctx, q, root: str, files: dict) -> None:
     from resmlp.data.decode import SourceDecoder, serve_encoded, source_side
     from resmlp.data.resumable import KeyedDataset
     from resmlp.data.transforms import mean_std
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
     cfg = load_config("dino", "resmlp_s12", ["demo=false", "data=imagefolder", f"data.root={root}",
                                               f"data.img_size={int(q.img_size)}", f"dino.local_size={int(q.local_size)}",
                                               f"dino.n_local_crops={int(q.n_local)}", "dino.local_crops=interpolate",

@@ -326,7 +326,7 @@ class GpuMultiCrop:
     [global_1, global_2, local_1..local_n], each (B, 3, S, S) normalized `out_dtype`.
 
     The constructor takes a crop plan's fields (global_size, local_size, n_local,
-    global_scale, local_scale; see resmlp.ssl.crop_plan) and the normalization; the rest
+    global_scale, local_scale; see resmlp.data.crop_plan) and the normalization; the rest
     are DINO's defaults.
     `normalize=False` returns values in [0, 1] (tests, inspection). `compile=True` runs
     the photometric stage through torch.compile (worth it on a GPU; see bench/NOTES.md).
@@ -369,7 +369,7 @@ class GpuMultiCrop:
 
     @classmethod
     def from_plan(cls, plan, data_cfg, **kwargs) -> "GpuMultiCrop":
-        """From a crop plan (resmlp.ssl.crop_plan.CropPlan) and the data section (mean / std)."""
+        """From a crop plan (resmlp.data.crop_plan.CropPlan) and the data section (mean / std)."""
         from resmlp.data.transforms import mean_std
         mean, std = mean_std(data_cfg)
         return cls(plan.global_size, plan.local_size, plan.n_local, plan.global_scale, plan.local_scale,

@@ -106,7 +106,7 @@ def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | No
                     autocast=contextlib.nullcontext, world_size: int = 1) -> DinoStep:
     """Student, teacher, lightly's loss, AdamW, DDP and torch.compile as `cfg` says:
     the step the trainer runs and the benchmark times."""
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
     plan = crop_plan(cfg)

@@ -16,7 +16,7 @@ from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.resumable import build_train_loader
-from resmlp.ssl.crop_plan import build_views, crop_plan
+from resmlp.data.crop_plan import build_views, crop_plan
 from resmlp.ssl.health import CollapseWatch, collapse_warning
 from resmlp.ssl.step import build_dino_step
 

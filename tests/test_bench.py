@@ -12,7 +12,7 @@ from resmlp.bench.reference import RefDinoStep, build_reference_networks
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
 from resmlp.models import convert_state_dict, load_pretrained
-from resmlp.ssl.crop_plan import crop_plan
+from resmlp.data.crop_plan import crop_plan
 
 
 def tiny_profile():

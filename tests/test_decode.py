@@ -20,7 +20,7 @@ from resmlp.data.decode import (EncodedImage, SourceBatch, SourceDecoder, collat
 from resmlp.data.images import load_rgb
 from resmlp.data.resumable import build_train_loader
 from resmlp.data.transforms import BICUBIC, to_normalized_tensor
-from resmlp.ssl.crop_plan import build_views, crop_plan
+from resmlp.data.crop_plan import build_views, crop_plan
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SIZES = [(500, 375), (375, 500), (1200, 900), (3000, 2000), (1400, 300), (300, 200)]  # (W, H)

@@ -124,7 +124,7 @@ def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
 
 
 def test_bad_strategy_is_a_user_error(tmp_path):
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     with pytest.raises(UserError, match="dino.local_crops"):
         crop_plan(tiny_cfg(tmp_path, "dino.local_crops=stretch"))
     with pytest.raises(UserError, match="multiple of model.patch_size"):
