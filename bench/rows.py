@@ -90,10 +90,11 @@ def build_our_step(cfg, device: torch.device, precision: str, compile: bool):
     need_lightly()
     from omegaconf import OmegaConf
 
+    from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
     cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    return build_dino_step(cfg, device, scaler, autocast_for(device, precision))
+    return build_dino_step(cfg, crop_plan(cfg), device, scaler, autocast_for(device, precision))
 
 
 def build_reference_step(cfg, device: torch.device, strategy: str):
@@ -104,7 +105,7 @@ def build_reference_step(cfg, device: torch.device, strategy: str):
     from resmlp.data.crop_plan import crop_plan
     plan = crop_plan(cfg)
     backbone = "timm" if strategy in ("resize", "none") else "ours"
-    student, teacher = build_reference_networks(cfg, device, backbone)
+    student, teacher = build_reference_networks(cfg, plan, device, backbone)
     step = RefDinoStep(student, teacher, int(cfg.dino.out_dim), plan.n_crops, device,
                        fp16=device.type == "cuda", clip_grad=float(cfg.optim.clip_grad),
                        freeze_last_layer=int(cfg.dino.freeze_last_layer), student_temp=float(cfg.dino.student_temp),

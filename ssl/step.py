@@ -102,15 +102,14 @@ def build_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optim
     return torch.optim.AdamW(param_groups(model), lr=0.0, weight_decay=0.0, fused=device.type == "cuda")
 
 
-def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | None = None,
+def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScaler | None = None,
                     autocast=contextlib.nullcontext, world_size: int = 1) -> DinoStep:
-    """Student, teacher, lightly's loss, AdamW, DDP and torch.compile as `cfg` says:
-    the step the trainer runs and the benchmark times."""
-    from resmlp.data.crop_plan import crop_plan
+    """Student, teacher, lightly's loss, AdamW, DDP and torch.compile as `cfg` says, for
+    the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs and the
+    benchmark times."""
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
-    plan = crop_plan(cfg)
-    student, teacher = build_networks(cfg, device)
+    student, teacher = build_networks(cfg, plan, device)
     loss_fn = build_dino_loss(cfg.dino).to(device)
     optimizer = build_optimizer(student, device)
     trained = student

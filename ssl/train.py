@@ -64,7 +64,7 @@ def train(cfg):
     ipe = sampler.batches_per_epoch
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, device, run.scaler, run.autocast, run.world_size)
+    step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size)
     student, teacher = step.student, step.teacher
 
     # ---- schedules, per iteration ---------------------------------------------------------

@@ -114,9 +114,10 @@ def test_multicrop_groups_resolutions_like_separate_forwards():
 
 
 def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
+    from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.networks import build_networks
     cfg = tiny_cfg(tmp_path)
-    student, teacher = build_networks(cfg, torch.device("cpu"))
+    student, teacher = build_networks(cfg, crop_plan(cfg), torch.device("cpu"))
     for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
         assert torch.equal(s, t), n
     assert not any(p.requires_grad for p in teacher.parameters())
