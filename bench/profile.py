@@ -2,7 +2,7 @@
 
 The benchmark (bench.py) says how fast; this says why. For one DINO config (the
 Fashion-MNIST preset by default; any `dino` command override works, e.g.
-`data=imagefolder data.img_size=224 model.patch_size=16 dino.local_size=96`) it times
+`data=imagefolder data.img_size=224 model.patch_size=16 data.local_size=96`) it times
 each phase of the trainer's iteration alone, at the trainer's batch:
 
   loader      the trainer's DataLoader (workers decode and collate), no device work

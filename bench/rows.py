@@ -61,7 +61,7 @@ def dino_config(p, model: str, strategy: str, extra=()):
     """The trainer's config for `model` at the profile's sizes and `strategy`."""
     from resmlp.core.config import load_config
     o = ["demo=false", "data=imagefolder", f"data.img_size={p.img_size}", f"model.patch_size={p.patch_size}",
-         f"dino.local_size={p.local_size}", f"dino.local_crops={strategy}", f"dino.n_local_crops={p.n_local}",
+         f"data.local_size={p.local_size}", f"dino.local_crops={strategy}", f"dino.n_local_crops={p.n_local}",
          f"model.drop_path_rate={p.drop_path_rate}", f"dino.out_dim={p.head.out_dim}",
          f"dino.hidden_dim={p.head.hidden_dim}", f"dino.bottleneck_dim={p.head.bottleneck_dim}",
          f"batch_size={p.batch_size}"]
@@ -718,7 +718,7 @@ def _loader_lines(ctx, q, root: str, files: dict) -> None:
     from resmlp.data.transforms import mean_std
     from resmlp.data.crop_plan import build_views, crop_plan
     cfg = load_config("dino", "resmlp_s12", ["demo=false", "data=imagefolder", f"data.root={root}",
-                                              f"data.img_size={int(q.img_size)}", f"dino.local_size={int(q.local_size)}",
+                                              f"data.img_size={int(q.img_size)}", f"data.local_size={int(q.local_size)}",
                                               f"dino.n_local_crops={int(q.n_local)}", "dino.local_crops=interpolate",
                                               f"model.patch_size={int(q.patch_size)}"])
     plan = crop_plan(cfg)

@@ -6,8 +6,8 @@ plan tells the model side what that asks of it (`CropPlan.grid_adapt`, the ResML
 `grid_adapt`):
 
     resize       local crops cut at the local scale, resized to the global size
-    interpolate  local crops at local_size; the model resamples its cross-patch weights
-    subgrid      local crops at local_size; the model takes the centred sub-block of them
+    interpolate  local crops at data.local_size; the model resamples its cross-patch weights
+    subgrid      local crops at data.local_size; the model takes the centred sub-block of them
     none         no local crops; the two global crops at `none_global_crops_scale`
 
 The trainer computes the plan once and hands it to the networks (resmlp.ssl.networks),
@@ -63,14 +63,14 @@ def crop_plan(cfg) -> CropPlan:
     if d.local_crops not in STRATEGIES:
         raise UserError(f"dino.local_crops={d.local_crops!r} is not one of {', '.join(STRATEGIES)}")
     g = int(cfg.data.img_size)
-    local, n_local = int(d.local_size), int(d.n_local_crops)
+    local, n_local = int(cfg.data.local_size), int(d.n_local_crops)
     global_scale = tuple(d.global_crops_scale)
     if d.local_crops == "resize":
         local = g
     elif d.local_crops == "none":
         n_local, global_scale = 0, tuple(d.none_global_crops_scale)
     if n_local and local % cfg.model.patch_size:
-        raise UserError(f"dino.local_size={local} is not a multiple of model.patch_size={cfg.model.patch_size}")
+        raise UserError(f"data.local_size={local} is not a multiple of model.patch_size={cfg.model.patch_size}")
     grid_adapt = d.local_crops if d.local_crops in ("interpolate", "subgrid") else "none"
     return CropPlan(g, local, n_local, global_scale, tuple(d.local_crops_scale), d.local_crops, grid_adapt)
 

@@ -394,7 +394,8 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
-    its train/eval mode is restored. Every rank must call it (extraction is sharded);
+    its train/eval mode is restored. batch_size is global (each process extracts its
+    shard: dist.share). Every rank must call it (extraction is sharded);
     the search runs on rank 0 and the result is broadcast to all. Returns
     {'knn': {k: {'top1': %, 'top5': %}}, 'knn_k': the headline k (the largest k <= 20,
     DINO's k=20 by default), 'knn_top1', 'knn_top5' (at knn_k), 'n_train', 'n_test'}:
@@ -411,7 +412,7 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     out = {}
     for split in (train_split, "test"):
         ds = rdata.build_dataset(data_cfg, split, transform=transform)
-        loader = rdata.build_loader(ds, batch_size, train=False, num_workers=num_workers, seed=0)
+        loader = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
         out[split] = extract_features(model, loader, device, amp_dtype, desc=f"knn {split}")
     result = None
     if dist.is_main():

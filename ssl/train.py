@@ -13,6 +13,7 @@ import torch
 
 from resmlp.core import dist
 from resmlp.core.engine import Cadence, Run, command, progress
+from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.resumable import build_train_loader
@@ -26,7 +27,7 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> di
     from resmlp.eval.knn import online_knn
     k, temp = 20, float(cfg.knn.temperature)
     res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
-                     batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
+                     batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32, keep_features=linear)
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
@@ -69,7 +70,7 @@ def train(cfg):
 
     # ---- schedules, per iteration ---------------------------------------------------------
     E, o = cfg.epochs, cfg.optim
-    lr_sched = cosine_schedule(o.lr * cfg.batch_size / 256, o.min_lr, E, ipe, o.warmup_epochs)
+    lr_sched = cosine_schedule(scaled_lr(o, cfg.batch_size), o.min_lr, E, ipe, o.warmup_epochs)
     wd_sched = cosine_schedule(o.weight_decay, o.weight_decay_end, E, ipe)
     m_sched = cosine_schedule(cfg.dino.momentum_teacher, 1.0, E, ipe)
     t_sched = linear_warmup_then_constant(cfg.dino.warmup_teacher_temp, cfg.dino.teacher_temp,

@@ -26,7 +26,7 @@ from timm.utils import ModelEmaV3
 from resmlp.core import dist
 from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
-from resmlp.core.optim import no_weight_decay, param_groups
+from resmlp.core.optim import no_weight_decay, param_groups, scaled_lr
 from resmlp.core.schedules import cosine_schedule
 from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std, num_classes
 from resmlp.data.resumable import build_train_loader
@@ -182,8 +182,7 @@ def build_test_loader(cfg, run):
     if cfg.eval_limit and cfg.eval_limit < len(ds):
         step = len(ds) / cfg.eval_limit  # evenly spaced: every class when the split is ordered by class
         ds = torch.utils.data.Subset(ds, [int(i * step) for i in range(cfg.eval_limit)])
-    bs = max(1, cfg.eval_batch_size // run.world_size)
-    return build_loader(ds, bs, train=False, num_workers=cfg.num_workers, seed=cfg.seed)
+    return build_loader(ds, dist.share(cfg.eval_batch_size), train=False, num_workers=cfg.num_workers, seed=cfg.seed)
 
 
 # ---- the command -----------------------------------------------------------------------------
@@ -246,7 +245,7 @@ def train(cfg):
     layer_decay = cfg.finetune.layer_decay if cfg.command == "finetune" else None
     groups = layer_decay_groups(model, layer_decay) if layer_decay and layer_decay < 1 else param_groups(model)
     optimizer = create_optimizer_v2(groups, opt=o.opt, lr=0.0, weight_decay=o.weight_decay, momentum=o.momentum)
-    base_lr = o.lr * cfg.batch_size / o.lr_batch
+    base_lr = scaled_lr(o, cfg.batch_size)
     E = cfg.epochs
     lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, o.warmup_epochs, o.warmup_lr)
 

@@ -118,7 +118,7 @@ def test_a_built_wheel_carries_its_configs(tmp_path):
             "from resmlp.core.config import CONFIG_DIR, load_config\n"
             f"assert str(CONFIG_DIR).startswith({str(target)!r}), CONFIG_DIR\n"
             "cfg = load_config('dino', 'resmlp_s12', ['data=imagenet', 'data.root=/x', 'demo=false'])\n"
-            "assert cfg.epochs == 300 and cfg.dino.local_size == 96\n"
+            "assert cfg.epochs == 300 and cfg.data.local_size == 96\n"
             "sys.exit(main(['help']))\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
