@@ -713,7 +713,8 @@ def _loader_lines(ctx, q, root: str, files: dict) -> None:
 
     from resmlp.core.config import load_config
     from resmlp.data import build_dataset, build_eval_transform
-    from resmlp.data.decode import SourceDecoder, serve_encoded, source_side
+    from resmlp.data.decode import SourceDecoder, source_side
+    from resmlp.data.imagefolder import serve_encoded
     from resmlp.data.resumable import KeyedDataset
     from resmlp.data.transforms import mean_std
     from resmlp.data.crop_plan import build_views, crop_plan

@@ -90,6 +90,19 @@ def load_checkpoint(spec: str | os.PathLike, map_location="cpu") -> dict:
     return obj
 
 
+def saved_config(checkpoint: str) -> dict | None:
+    """The config a project checkpoint or run dir was trained with, if any."""
+    if checkpoint.startswith("timm:"):
+        return None
+    path = Path(checkpoint).expanduser()
+    if path.is_dir() and (path / "config.yaml").exists():
+        from omegaconf import OmegaConf
+        return OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.get("config")
+    return cfg if isinstance(cfg, dict) else None
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}

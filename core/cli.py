@@ -9,6 +9,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 
+from resmlp.core.checkpoint import saved_config
 from resmlp.core.errors import PREEMPTED_EXIT, Preempted, RunFailed, UserError
 
 
@@ -85,21 +86,6 @@ def expand_aliases(args: list[str], aliases: dict) -> list[str]:
     return out
 
 
-def saved_config(checkpoint: str) -> dict | None:
-    """The config a project checkpoint or run dir was trained with, if any."""
-    from pathlib import Path
-    if checkpoint.startswith("timm:"):
-        return None
-    path = Path(checkpoint).expanduser()
-    if path.is_dir() and (path / "config.yaml").exists():
-        from omegaconf import OmegaConf
-        return OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
-    from resmlp.core.checkpoint import load_checkpoint
-    ckpt = load_checkpoint(path)
-    cfg = ckpt.get("config")
-    return cfg if isinstance(cfg, dict) else None
-
-
 def build(argv: list[str]):
     """(command spec, config) from argv; raises UserError on bad input."""
     from resmlp.core.config import load_config
@@ -135,7 +121,7 @@ def launch(cfg, argv: list[str]) -> int:
     if cfg.launcher != "slurm":
         raise UserError(f"launcher={cfg.launcher!r} is not one of local, slurm")
     from resmlp.core.slurm import submit
-    submit(cfg, argv)
+    submit(cfg, argv, main)
     return 0
 
 

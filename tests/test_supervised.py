@@ -161,7 +161,7 @@ def test_distill_run_and_teacher_class_mismatch(tmp_path):
 
 @needs_data
 def test_finetune_starts_from_the_checkpoint_teacher(tmp_path):
-    from resmlp.core.cli import saved_config
+    from resmlp.core.checkpoint import saved_config
     from resmlp.supervised.train import build_networks, layer_decay_groups, train
     dino_dir, teacher_sd, student_sd = save_dino_checkpoint(tmp_path)
     # as `bash run.sh finetune <dir>` builds it: model and data from the checkpoint's config
