@@ -7,8 +7,9 @@ A project checkpoint is one torch file (`<run dir>/checkpoint.pth`) holding a di
     student / teacher   (DINO) state_dicts with keys "backbone.*" and "head.*"
     model      (supervised paths) the classifier's state_dict
     epoch, iteration, optimizer, scaler, rng, ...   (what resume needs)
-The `teacher`/`student` layout is the official DINO one, so DINO's tools read ours and
-ours read theirs. Writes are atomic (temp file + rename): a run killed mid-write keeps
+The `teacher`/`student` layout is the official DINO one, not its keys: the head is
+lightly's (head.layers.*, not DINO's head.mlp.*) and no key carries DDP's `module.`.
+resmlp.models.load reads official DINO checkpoints as well as ours. Writes are atomic (temp file + rename): a run killed mid-write keeps
 its previous checkpoint. A run directory also keeps the checkpoint before the latest
 (`checkpoint_prev.pth`), for when the latest cannot be read.
 """

@@ -12,6 +12,20 @@ plan tells the model side what that asks of it (`CropPlan.grid_adapt`, the ResML
 
 The trainer computes the plan once and hands it to the networks (resmlp.ssl.networks),
 the step and the views; the benchmark and `run.sh data data.preview=N` do the same.
+With `dino.augment=device` the trainer's data path is, in short:
+
+    plan = crop_plan(cfg)
+    views = build_views(cfg, plan, out_dtype=torch.bfloat16, device=device)
+    loader, sampler = build_train_loader(dataset, views.transform, batch_per_rank, cfg.seed, workers,
+                                         pin_memory=True, keyed=views.keyed, collate_fn=views.collate)
+    for batch in loader:  # SourceBatch: images (B, 3, H, W) padded, sizes (B, 2), keys, ...
+        crops = views.to_device(batch, device)
+        # = GpuMultiCrop(batch.decode_on(device), cfg.seed, batch.keys, batch.sizes)
+
+The keys (the sampler's epoch * N + index) make a sample's crops depend only on (seed,
+epoch, index): the same for any number of processes, batch composition and resume.
+`out_dtype=torch.bfloat16` halves the crops' memory (the step's first layer would cast
+them anyway).
 
 `build_views` turns a plan into the data path the trainer (and the benchmark and
 `run.sh data data.preview=N`) runs: with `dino.augment=device` the loader workers only
