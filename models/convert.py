@@ -1,12 +1,9 @@
 """ResMLP weights in other projects' keys: timm's `resmlp_*_224` and the official
 facebookresearch/deit `resmlp_models.py`, read into ours (`convert_state_dict`,
-`load_pretrained`) and written back out (`export_state_dict`, for `run.sh export`).
-
-The key map (official | timm | ours, per block i): blocks.i.attn | linear_tokens |
-cross_patch; gamma_1/2 | ls1/2 | ls1/2; mlp | mlp_channels | mlp; patch_embed.proj |
-stem.proj | patch_embed.proj. timm keeps each Affine's alpha and beta as [1, 1, D], the
-others as [D]. Checkpoint files (wrapped in 'model', 'teacher', DDP's 'module.', ...) are
-opened by resmlp.models.load.
+`load_pretrained`) and written back out (`export_state_dict`, for `run.sh export`), by one
+table of the names that differ (KEY_NAMES). timm keeps each Affine's alpha and beta as
+[1, 1, D], the others as [D]. Checkpoint files (wrapped in 'model', 'teacher', DDP's
+'module.', ...) are opened by resmlp.models.load.
 """
 from __future__ import annotations
 
@@ -19,27 +16,38 @@ import torch
 from resmlp.core.errors import UserError
 from resmlp.models.resmlp import ResMLP
 
-# (pattern, replacement) applied to full keys; anchored so that e.g. timm's
-# "mlp_channels" is not caught by a rule for "mlp".
-_TIMM_RULES = [
-    (r'^stem\.proj\.', 'patch_embed.proj.'),
-    (r'^(blocks\.\d+)\.linear_tokens\.', r'\1.cross_patch.'),
-    (r'^(blocks\.\d+)\.mlp_channels\.', r'\1.mlp.'),
-]
-_OFFICIAL_RULES = [
-    (r'^(blocks\.\d+)\.attn\.', r'\1.cross_patch.'),
-    (r'^(blocks\.\d+)\.gamma_1$', r'\1.ls1'),
-    (r'^(blocks\.\d+)\.gamma_2$', r'\1.ls2'),
-]
-_OFFICIAL_KEY = re.compile(r'^blocks\.\d+\.(attn\.|gamma_[12]$)')
+# Where the keys differ, as (ours, theirs) per format; "{i}" stands for a block's index, a
+# name ending in "." for every key under it. Both directions are made from this one table.
+KEY_NAMES = {
+    'timm': [('patch_embed.proj.', 'stem.proj.'), ('blocks.{i}.cross_patch.', 'blocks.{i}.linear_tokens.'),
+             ('blocks.{i}.mlp.', 'blocks.{i}.mlp_channels.')],
+    'official': [('blocks.{i}.cross_patch.', 'blocks.{i}.attn.'), ('blocks.{i}.ls1', 'blocks.{i}.gamma_1'),
+                 ('blocks.{i}.ls2', 'blocks.{i}.gamma_2')],
+}
+
+
+def _rules(fmt: str, to_ours: bool) -> list[tuple[re.Pattern, str]]:
+    """(pattern, replacement) for re.sub on full keys, anchored so that e.g. timm's
+    "mlp_channels" is not caught by a rule for "mlp"."""
+    rules = []
+    for ours, theirs in KEY_NAMES[fmt]:
+        src, dst = (theirs, ours) if to_ours else (ours, theirs)
+        pattern = '^' + re.escape(src).replace(re.escape('{i}'), r'(\d+)') + ('' if src.endswith('.') else '$')
+        rules.append((re.compile(pattern), dst.replace('{i}', r'\1')))
+    return rules
+
+
+def _rename(key: str, rules) -> str:
+    for pattern, repl in rules:
+        key = pattern.sub(repl, key)
+    return key
 
 
 def detect_format(sd: Mapping) -> str:
     """'timm', 'official' or 'resmlp' (ours) for a plain state_dict."""
-    if any(k.startswith('stem.proj.') or '.linear_tokens.' in k or '.mlp_channels.' in k for k in sd):
-        return 'timm'
-    if any(_OFFICIAL_KEY.match(k) for k in sd):
-        return 'official'
+    for fmt in ('timm', 'official'):
+        if any(pattern.match(k) for pattern, _ in _rules(fmt, to_ours=True) for k in sd):
+            return fmt
     return 'resmlp'
 
 
@@ -49,28 +57,16 @@ def convert_state_dict(sd: Mapping) -> dict:
     is detected from the keys; our own keys pass through. Checkpoint files (wrapped in
     'model', 'teacher', DDP's 'module.', ...) are opened by resmlp.models.load."""
     fmt = detect_format(sd)
-    rules = {'timm': _TIMM_RULES, 'official': _OFFICIAL_RULES}.get(fmt, [])
+    rules = _rules(fmt, to_ours=True) if fmt in KEY_NAMES else []
     out = {}
     for k, v in sd.items():
-        for pattern, repl in rules:
-            k = re.sub(pattern, repl, k)
+        k = _rename(k, rules)
         if (k.endswith('.alpha') or k.endswith('.beta')) and v.dim() > 1:
             v = v.reshape(-1)  # timm keeps [1, 1, D]
         out[k] = v
     return out
 
 
-# ours -> theirs, for export: the inverse of the rules above, on the paper's architecture
-_TO_TIMM = [
-    (r'^patch_embed\.proj\.', 'stem.proj.'),
-    (r'^(blocks\.\d+)\.cross_patch\.', r'\1.linear_tokens.'),
-    (r'^(blocks\.\d+)\.mlp\.', r'\1.mlp_channels.'),
-]
-_TO_OFFICIAL = [
-    (r'^(blocks\.\d+)\.cross_patch\.', r'\1.attn.'),
-    (r'^(blocks\.\d+)\.ls1$', r'\1.gamma_1'),
-    (r'^(blocks\.\d+)\.ls2$', r'\1.gamma_2'),
-]
 # Every key of the paper's model (linear cross-patch, Affine, average pooling) in our names.
 _PAPER_KEY = re.compile(r'^(patch_embed\.proj\.(weight|bias)|norm\.(alpha|beta)|head\.(weight|bias)|'
                         r'blocks\.\d+\.(norm[12]\.(alpha|beta)|cross_patch\.(weight|bias)|ls[12]|'
@@ -88,11 +84,10 @@ def export_state_dict(sd: Mapping, fmt: str) -> dict:
     if other:
         raise UserError(f"format={fmt} needs the paper's ResMLP (linear cross-patch, Affine, average pooling); "
                         f"this one has {other[0]!r}: export it with format=safetensors")
-    rules = _TO_TIMM if fmt == 'timm' else _TO_OFFICIAL
+    rules = _rules(fmt, to_ours=False)
     out = {}
     for k, v in sd.items():
-        for pattern, repl in rules:
-            k = re.sub(pattern, repl, k)
+        k = _rename(k, rules)
         if fmt == 'timm' and (k.endswith('.alpha') or k.endswith('.beta')):
             v = v.reshape(1, 1, -1)
         out[k] = v
