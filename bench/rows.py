@@ -61,7 +61,7 @@ def dino_config(p, model: str, strategy: str, extra=()):
     """The trainer's config for `model` at the profile's sizes and `strategy`."""
     from resmlp.core.config import load_config
     o = ["demo=false", "data=imagefolder", f"data.img_size={p.img_size}", f"model.patch_size={p.patch_size}",
-         f"dino.local_size={p.local_size}", f"dino.local_crops={strategy}", f"dino.n_local_crops={p.n_local}",
+         f"data.local_size={p.local_size}", f"dino.local_crops={strategy}", f"dino.n_local_crops={p.n_local}",
          f"model.drop_path_rate={p.drop_path_rate}", f"dino.out_dim={p.head.out_dim}",
          f"dino.hidden_dim={p.head.hidden_dim}", f"dino.bottleneck_dim={p.head.bottleneck_dim}",
          f"batch_size={p.batch_size}"]
@@ -91,12 +91,13 @@ def build_our_step(cfg, device: torch.device, precision: str, compile: bool, gra
     need_lightly()
     from omegaconf import OmegaConf
 
+    from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
     cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
     if graphs is not None:
         cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": str(bool(graphs)).lower()}})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    return build_dino_step(cfg, device, scaler, autocast_for(device, precision))
+    return build_dino_step(cfg, crop_plan(cfg), device, scaler, autocast_for(device, precision))
 
 
 def build_reference_step(cfg, device: torch.device, strategy: str):
@@ -104,10 +105,10 @@ def build_reference_step(cfg, device: torch.device, strategy: str):
     crops (resize, none), ours with grid adaptation otherwise."""
     need_lightly()
     from resmlp.bench.reference import RefDinoStep, build_reference_networks, model_dims, timm_name
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     plan = crop_plan(cfg)
     backbone = "timm" if strategy in ("resize", "none") else "ours"
-    student, teacher = build_reference_networks(cfg, device, backbone)
+    student, teacher = build_reference_networks(cfg, plan, device, backbone)
     step = RefDinoStep(student, teacher, int(cfg.dino.out_dim), plan.n_crops, device,
                        fp16=device.type == "cuda", clip_grad=float(cfg.optim.clip_grad),
                        freeze_last_layer=int(cfg.dino.freeze_last_layer), student_temp=float(cfg.dino.student_temp),
@@ -231,7 +232,7 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
 
 def _step_inputs(ctx, model, strategy, batch: int):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     reset_memory(ctx.device)
     cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}"])
     plan = crop_plan(cfg)
@@ -349,7 +350,7 @@ def loader_rate(loader, sampler, consume, warmup: int, steps: int, device, batch
 
 
 def e2e_family(ctx) -> None:
-    """The trainer's data path (ssl.crop_plan.build_views + data.resumable.build_train_loader)
+    """The trainer's data path (data.crop_plan.build_views + data.resumable.build_train_loader)
     feeding the trainer's step, for each place the views can be made."""
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
     workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
@@ -382,7 +383,7 @@ def e2e_family(ctx) -> None:
 
 
 def _e2e_synthetic(ctx, state) -> dict:
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     p, dev = ctx.p, ctx.device
     plan = crop_plan(state["cfg"])
     crops = synthetic_crops(plan, int(p.batch_size), dev)
@@ -397,7 +398,7 @@ def _e2e(ctx, state, where: str, decode: str = "cpu") -> dict:
 
     from resmlp.data import build_dataset
     from resmlp.data.resumable import build_train_loader
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
     p, e, dev, step = ctx.p, ctx.p.e2e, ctx.device, state["step"]
     cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}, "data": {"decode": decode}})
     batch = int(p.batch_size)
@@ -618,7 +619,7 @@ def aug_family(ctx) -> None:
     from resmlp.data.decode import SourceDecoder, collate_sources, source_side
     from resmlp.data.gpu_augment import GpuMultiCrop
     from resmlp.data.transforms import mean_std
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     a, p = ctx.p.aug, ctx.p
     cfg = dino_config(p, ctx.models[0], "subgrid")
     plan = crop_plan(cfg)
@@ -751,12 +752,13 @@ def _loader_lines(ctx, q, root: str, files: dict) -> None:
 
     from resmlp.core.config import load_config
     from resmlp.data import build_dataset, build_eval_transform
-    from resmlp.data.decode import SourceDecoder, serve_encoded, source_side
+    from resmlp.data.decode import SourceDecoder, source_side
+    from resmlp.data.imagefolder import serve_encoded
     from resmlp.data.resumable import KeyedDataset
     from resmlp.data.transforms import mean_std
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
     cfg = load_config("dino", "resmlp_s12", ["demo=false", "data=imagefolder", f"data.root={root}",
-                                              f"data.img_size={int(q.img_size)}", f"dino.local_size={int(q.local_size)}",
+                                              f"data.img_size={int(q.img_size)}", f"data.local_size={int(q.local_size)}",
                                               f"dino.n_local_crops={int(q.n_local)}", "dino.local_crops=interpolate",
                                               f"model.patch_size={int(q.patch_size)}"])
     plan = crop_plan(cfg)

@@ -7,8 +7,9 @@ A project checkpoint is one torch file (`<run dir>/checkpoint.pth`) holding a di
     student / teacher   (DINO) state_dicts with keys "backbone.*" and "head.*"
     model      (supervised paths) the classifier's state_dict
     epoch, iteration, optimizer, scaler, rng, ...   (what resume needs)
-The `teacher`/`student` layout is the official DINO one, so DINO's tools read ours and
-ours read theirs. Writes are atomic (temp file + rename): a run killed mid-write keeps
+The `teacher`/`student` layout is the official DINO one, not its keys: the head is
+lightly's (head.layers.*, not DINO's head.mlp.*) and no key carries DDP's `module.`.
+resmlp.models.load reads official DINO checkpoints as well as ours. Writes are atomic (temp file + rename): a run killed mid-write keeps
 its previous checkpoint. A run directory also keeps the checkpoint before the latest
 (`checkpoint_prev.pth`), for when the latest cannot be read.
 """
@@ -88,6 +89,19 @@ def load_checkpoint(spec: str | os.PathLike, map_location="cpu") -> dict:
     if not isinstance(obj, dict):
         raise UserError(f"{path} holds a {type(obj).__name__}, not a checkpoint dict or state_dict")
     return obj
+
+
+def saved_config(checkpoint: str) -> dict | None:
+    """The config a project checkpoint or run dir was trained with, if any."""
+    if checkpoint.startswith("timm:"):
+        return None
+    path = Path(checkpoint).expanduser()
+    if path.is_dir() and (path / "config.yaml").exists():
+        from omegaconf import OmegaConf
+        return OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.get("config")
+    return cfg if isinstance(cfg, dict) else None
 
 
 def rng_state() -> dict:

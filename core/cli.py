@@ -9,6 +9,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 
+from resmlp.core.checkpoint import saved_config
 from resmlp.core.errors import PREEMPTED_EXIT, Preempted, RunFailed, UserError
 
 
@@ -34,7 +35,7 @@ COMMANDS = {
     "finetune": Command("resmlp.supervised.train:run", "supervised fine-tuning of a DINO checkpoint",
                         "checkpoint"),
     "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model"),
-    "export": Command("resmlp.models.checkpoints:run", "a backbone for timm / the official code / safetensors",
+    "export": Command("resmlp.eval.export:run", "a backbone for timm / the official code / safetensors",
                       "checkpoint", {"format": "export.format", "key": "features.key"}),
     "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)"),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),
@@ -88,21 +89,6 @@ def expand_aliases(args: list[str], aliases: dict) -> list[str]:
     return out
 
 
-def saved_config(checkpoint: str) -> dict | None:
-    """The config a project checkpoint or run dir was trained with, if any."""
-    from pathlib import Path
-    if checkpoint.startswith("timm:"):
-        return None
-    path = Path(checkpoint).expanduser()
-    if path.is_dir() and (path / "config.yaml").exists():
-        from omegaconf import OmegaConf
-        return OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
-    from resmlp.core.checkpoint import load_checkpoint
-    ckpt = load_checkpoint(path)
-    cfg = ckpt.get("config")
-    return cfg if isinstance(cfg, dict) else None
-
-
 def build(argv: list[str]):
     """(command spec, config) from argv; raises UserError on bad input."""
     from resmlp.core.config import load_config
@@ -138,7 +124,7 @@ def launch(cfg, argv: list[str]) -> int:
     if cfg.launcher != "slurm":
         raise UserError(f"launcher={cfg.launcher!r} is not one of local, slurm")
     from resmlp.core.slurm import submit
-    submit(cfg, argv)
+    submit(cfg, argv, main)
     return 0
 
 

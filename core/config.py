@@ -9,6 +9,12 @@ Merge order, later wins:
     command-line overrides
 The merged config is in struct mode: a misspelled key is an error that names it.
 `data=<name>` on the command line picks the dataset file (it is short for data.name).
+
+Two sections of defaults.yaml and of each method file are not config keys but what the
+file says about its keys; they are taken out before anything else reads the config:
+    limits:   key -> the numbers it may hold (a `Limit` kind or fields, see LIMIT_KINDS)
+    moved:    old key -> the key that replaced it (naming the old one is an error)
+A method file's sections add to those of the method it extends and of defaults.yaml.
 """
 from __future__ import annotations
 
@@ -100,6 +106,7 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     # New keys may come from method files (their own sections); struct mode starts once
     # every file is in.
     cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
+    limits, moved = _take_rules(cfg, command)
     data = data or cfg.data.name
     data_file = CONFIG_DIR / "data" / f"{data}.yaml"
     if not data_file.exists():
@@ -126,6 +133,8 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
         rest = [*cfg.demo_overrides, *rest]  # the command line still wins
     for o in rest:
         key = _key_of(o)
+        if key in moved:
+            raise UserError(f"{key} is now {moved[key]}: pass {moved[key]}={o.split('=', 1)[1]}")
         before = OmegaConf.select(cfg, key, default=None)
         try:
             cfg.merge_with_dotlist([o])
@@ -139,7 +148,7 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     except OmegaConfBaseException as e:
         raise UserError(f"config error: {str(e).splitlines()[0]}") from None
     _check_missing(cfg)
-    check_values(cfg)
+    check_values(cfg, limits)
     return cfg
 
 
@@ -171,46 +180,50 @@ class Limit:
             text = f"{kind} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
         return text + (" (or null)" if self.null else "")
 
+    @classmethod
+    def from_spec(cls, spec, where: str) -> "Limit":
+        """A limit as the YAML files write it: a kind's name (LIMIT_KINDS) or its fields,
+        e.g. {min: 0, max: 1}, {above: 0, nullable: true}, {min: 1, whole: true}."""
+        if isinstance(spec, str) and spec in LIMIT_KINDS:
+            return LIMIT_KINDS[spec]
+        fields = dict(spec) if isinstance(spec, (dict, DictConfig)) else None
+        if fields is None or not fields.keys() <= {"min", "above", "max", "below", "whole", "nullable"} \
+                or ("min" in fields) == ("above" in fields) or ("max" in fields and "below" in fields):
+            raise UserError(f"{where}: {spec!r} is not a limit; use one of {', '.join(LIMIT_KINDS)} or fields "
+                            "{min | above: n, max | below: n, whole: true, nullable: true}")
+        high = fields.get("max", fields.get("below"))
+        return cls(float(fields.get("min", fields.get("above"))), None if high is None else float(high),
+                   whole=bool(fields.get("whole", False)), open_low="above" in fields, open_high="below" in fields,
+                   null=bool(fields.get("nullable", False)))
 
-COUNT, SOME, SIZE = Limit(0, whole=True), Limit(1, whole=True), Limit(1, whole=True, null=True)
-POSITIVE, NONNEGATIVE, FRACTION = Limit(0, open_low=True), Limit(0), Limit(0, 1)
-BELOW_ONE = Limit(0, 1, open_high=True)
 
-# Every numeric key a user may set, and what it must be: checked once the config is built,
-# so that a bad value is one line before anything runs (not a traceback deep inside torch).
-# Lists (knn.k) are checked element by element. A key a command does not have is skipped.
-LIMITS = {
-    "epochs": SOME, "batch_size": SOME, "seed": COUNT, "num_workers": COUNT, "log_every": SOME,
-    "ckpt_every": COUNT, "eval_every": COUNT, "eval_batch_size": SOME, "eval_limit": SIZE,
-    "model.patch_size": SOME, "model.dim": SIZE, "model.depth": SIZE, "model.drop_path_rate": BELOW_ONE,
-    "data.img_size": SOME, "data.local_size": SOME, "data.subset": SIZE,
-    "data.crop_ratio": Limit(0, 1, open_low=True),
-    "knn.k": SOME, "knn.temperature": POSITIVE, "knn.chunk_size": SIZE, "features.batch_size": SOME,
-    "optim.lr": POSITIVE, "optim.min_lr": NONNEGATIVE, "optim.warmup_epochs": NONNEGATIVE,
-    "optim.warmup_lr": NONNEGATIVE, "optim.weight_decay": NONNEGATIVE, "optim.weight_decay_end": NONNEGATIVE,
-    "optim.clip_grad": NONNEGATIVE, "optim.lr_batch": SOME, "optim.momentum": FRACTION,
-    "dino.out_dim": SOME, "dino.hidden_dim": SOME, "dino.bottleneck_dim": SOME, "dino.n_local_crops": COUNT,
-    "dino.local_size": SOME, "dino.student_temp": POSITIVE, "dino.teacher_temp": POSITIVE,
-    "dino.warmup_teacher_temp": POSITIVE, "dino.warmup_teacher_temp_epochs": COUNT,
-    "dino.freeze_last_layer": NONNEGATIVE, "dino.momentum_teacher": FRACTION, "dino.center_momentum": FRACTION,
-    "dino.collapse_kl": NONNEGATIVE, "dino.collapse_patience": SOME,
-    "aug.repeats": SOME, "aug.hflip": FRACTION, "aug.color_jitter": NONNEGATIVE, "aug.re_prob": FRACTION,
-    "aug.re_count": COUNT, "aug.smoothing": BELOW_ONE, "aug.mixup": NONNEGATIVE, "aug.cutmix": NONNEGATIVE,
-    "aug.mixup_prob": FRACTION, "aug.mixup_switch_prob": FRACTION, "ema.decay": FRACTION,
-    "finetune.layer_decay": Limit(0, 1, open_low=True), "distill.alpha": FRACTION, "distill.tau": POSITIVE,
-    "linear.epochs": SOME, "linear.batch_size": SOME, "linear.n_last_blocks": SOME,
-    "linear.weight_decay": NONNEGATIVE, "linear.momentum": FRACTION, "viz.threshold": FRACTION, "viz.dpi": SOME,
-    **{f"compare.epochs.{k}": SOME for k in ("teacher", "supervised", "distill", "dino", "linear", "finetune")},
-    "slurm.nodes": SOME, "slurm.gpus_per_node": COUNT, "slurm.tasks_per_node": SIZE,
-    "slurm.cpus_per_task": SIZE, "slurm.mem_gb": Limit(0, open_low=True, null=True),
-    "slurm.signal_delay_s": SOME, "slurm.max_timeouts": COUNT,
-    "campaign.call_s": POSITIVE, "campaign.compare_budget_s": NONNEGATIVE,
+# The kinds of number the `limits:` sections name most often.
+LIMIT_KINDS = {
+    "count": Limit(0, whole=True),                # 0, 1, 2, ...
+    "some": Limit(1, whole=True),                 # 1, 2, ...
+    "size": Limit(1, whole=True, null=True),      # 1, 2, ... or null (all / automatic)
+    "positive": Limit(0, open_low=True),
+    "nonnegative": Limit(0),
+    "fraction": Limit(0, 1),
+    "below_one": Limit(0, 1, open_high=True),
 }
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Numbers within their LIMITS, and `out` not an existing file; UserError otherwise."""
-    for key, limit in LIMITS.items():
+def _take_rules(cfg: DictConfig, command: str) -> tuple[dict, dict]:
+    """Take the `limits:` and `moved:` sections out of the merged files: ({key: Limit},
+    {old key: new key}). Limits are checked once the config is built, so that a bad value
+    is one line before anything runs (not a traceback deep inside torch); a list (knn.k) is
+    checked element by element, and a key the command does not have is skipped."""
+    where = f"configs/defaults.yaml or configs/method/{command}.yaml"
+    limits = {str(k): Limit.from_spec(v, f"{where}, limits.{k}") for k, v in (cfg.pop("limits", None) or {}).items()}
+    moved = {str(k): str(v) for k, v in (cfg.pop("moved", None) or {}).items()}
+    return limits, moved
+
+
+def check_values(cfg: DictConfig, limits: dict) -> None:
+    """Numbers within their `limits` ({key: Limit}), and `out` not an existing file;
+    UserError otherwise."""
+    for key, limit in limits.items():
         value = OmegaConf.select(cfg, key, default="<missing>")
         if isinstance(value, str) and value == "<missing>":
             continue

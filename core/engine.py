@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -125,7 +124,7 @@ class Run:
     fails its checks leaves nothing behind.
     """
 
-    def __init__(self, cfg: DictConfig, check_dir: bool = True):
+    def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.device = dist.setup(cfg.device)
         self.rank, self.world_size = dist.rank(), dist.world_size()
@@ -149,7 +148,7 @@ class Run:
         self.dir = run_dir(cfg)
         self.ckpt_path, self.prev_path = self.dir / CHECKPOINT_NAME, self.dir / PREVIOUS_NAME
         self.lock = RunLock(self.dir)
-        self._checked_resume = self._check_run_dir() if check_dir else None
+        self._checked_resume = self._check_run_dir()
         self._agree(self.lock.problem)  # a live run holds the directory: stop before any work
         self.logger: JsonlLogger | None = None
         self.started = time.time()
@@ -280,10 +279,6 @@ class Run:
         self.open()
         if self.logger.tb is not None:
             self.logger.tb.add_image(tag, image, step, dataformats="HWC")
-
-    def check_finite(self, loss: torch.Tensor, where: str) -> None:
-        if not math.isfinite(float(loss)):
-            self.stop_nonfinite(float(loss), where)
 
     def stop_nonfinite(self, value: float, where: str) -> None:
         raise RunFailed(f"loss is {value} at {where}; stopped. The last good checkpoint "

@@ -24,7 +24,8 @@ from typing import Callable
 
 from resmlp.core.errors import UserError
 from resmlp.data import fashion_mnist, imagefolder, torchvision_sets
-from resmlp.data.decode import reads_files, serve_encoded
+from resmlp.data.decode import reads_files
+from resmlp.data.imagefolder import serve_encoded
 from resmlp.data.subset import make_subset
 
 

@@ -154,7 +154,7 @@ def run(cfg) -> int:
     n = data_cfg.get("preview", 0)
     if n:
         from resmlp.data.preview import run_preview
-        from resmlp.ssl.crop_plan import crop_plan
+        from resmlp.data.crop_plan import crop_plan
         out = run_preview(cfg, n)
         print(f"preview: the DINO views ({crop_plan(cfg).label()} px) of {n} training images drawn as "
               f"`run.sh dino` draws them: {out['png']}, {out['json']}")

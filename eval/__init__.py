@@ -1,6 +1,5 @@
-"""Evaluation of frozen backbones: k-NN, linear probe, the paper's figures, pictures of the features.
+"""Evaluation of frozen backbones, pictures of their features, and the commands that read finished runs.
 
-- checkpoints.py  load_backbone / load_classifier: any checkpoint -> a feature backbone
 - features.py     extract_features and the on-disk feature cache (features_for)
 - knn.py          knn_classify / knn_evaluate (DINO protocol, exact, FAISS or torch),
                   online_knn for trainers, and the `knn` command
@@ -9,8 +8,10 @@
                   the `viz` command
 - neighbours.py   a few test images with the k-NN's own nearest training images
 - patch_pca.py    patch tokens before pooling on their first principal components
-- command.py      what the three commands share (backbone, features, output, JSON)
+- export.py       a run's backbone for timm / the official code / safetensors: `export`
+- command.py      what the knn / linear / viz commands share (backbone, features, output)
 
-Import from the modules (resmlp.eval.knn, ...); this file imports nothing so that a
-command pays only for what it uses.
+Checkpoints come in through resmlp.models.load. Import from the modules
+(resmlp.eval.knn, ...); this file imports nothing so that a command pays only for what
+it uses.
 """

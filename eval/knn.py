@@ -492,7 +492,8 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
-    its train/eval mode is restored. Every rank must call it (extraction is sharded);
+    its train/eval mode is restored. batch_size is global (each process extracts its
+    shard: dist.share). Every rank must call it (extraction is sharded);
     the search runs on rank 0 and the result is broadcast to all. Returns
     {'knn': {k: {'top1': %, 'top5': %}}, 'knn_k': the headline k (the largest k <= 20,
     DINO's k=20 by default), 'knn_top1', 'knn_top5' (at knn_k), 'n_train', 'n_test'}:
@@ -519,7 +520,7 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
         batches, ds = (cache.get(split) if keep else None), None
         if not batches:
             ds = rdata.build_dataset(data_cfg, split, transform=transform)
-            batches = rdata.build_loader(ds, batch_size, train=False, num_workers=num_workers, seed=0)
+            batches = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
             if keep and split not in cache:
                 batches = _cached_batches(batches, len(ds), device, cache, split, _CACHE_BYTES)
         if keep_features:  # the pictures index the images themselves, cached batches or not

@@ -70,7 +70,7 @@ def as_resmlp(model: nn.Module, info: dict) -> nn.Module:
     from resmlp.models import ResMLP
     if isinstance(model, ResMLP):
         return model
-    from resmlp.models.checkpoints import resmlp_from_state_dict
+    from resmlp.models.load import resmlp_from_state_dict
     try:
         return resmlp_from_state_dict(model.state_dict(), str(info.get("spec")))[0]
     except UserError:
@@ -327,7 +327,7 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIG
                  inputs: FeatureInputs | None = None) -> dict:
     """Draw the requested figures of `model` into out_dir; return viz.json's content.
     The feature figures (neighbours, patch_pca) need `inputs`."""
-    from resmlp.models.checkpoints import describe
+    from resmlp.models.load import describe
 
     if any(f in FEATURE_FIGURES for f in figures) and inputs is None:
         raise UserError(f"viz.figures={list(figures)}: {', '.join(FEATURE_FIGURES)} need the data "
@@ -434,20 +434,12 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
 
 
 def check_viz_config(v) -> None:
-    """Bad viz values fail before the backbone is loaded or a feature extracted."""
+    """Bad viz values fail before the backbone is loaded or a feature extracted (the
+    numbers' ranges: the limits of configs/method/viz.yaml)."""
     from resmlp.eval.knn import check_ks
     _figures(v.figures)
     if len(check_ks(v.k, 2**62)) != 1:
         raise UserError(f"k={v.k}: the neighbours grid takes one k (e.g. k=5)")
-    for key in ("queries", "pca_images"):
-        n = v[key]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UserError(f"viz.{key}={n!r} must be a positive integer")
-    size = v.pca_size
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise UserError(f"viz.pca_size={size!r} must be a positive integer (pixels) or null")
-    if not isinstance(v.pca_threshold, (int, float)) or not 0 < v.pca_threshold < 1:
-        raise UserError(f"viz.pca_threshold={v.pca_threshold!r} must be between 0 and 1")
 
 
 def viz_command(cfg, bb) -> dict | None:

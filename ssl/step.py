@@ -123,18 +123,17 @@ def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = F
                              capturable=capturable)
 
 
-def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | None = None,
+def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScaler | None = None,
                     autocast=contextlib.nullcontext, world_size: int = 1) -> DinoStep:
     """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
-    `cfg` says: the step the trainer runs and the benchmark times."""
-    from resmlp.ssl.crop_plan import crop_plan
+    `cfg` says, for the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs
+    and the benchmark times."""
     from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
     graphs = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, world_size, scaler.is_enabled())
-    plan = crop_plan(cfg)
-    student, teacher = build_networks(cfg, device)
+    student, teacher = build_networks(cfg, plan, device)
     loss_fn = build_dino_loss(cfg.dino).to(device)
     optimizer = build_optimizer(student, device, capturable=graphs)
     trained = student

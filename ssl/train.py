@@ -2,8 +2,9 @@
 
 Read top to bottom: data and views -> the step (student, teacher, loss, optimizer) ->
 schedules -> resume -> the loop -> k-NN of the teacher. The pieces have a file each in
-this folder (crop_plan, networks, head, loss, ema, step, health); what every trainer
-shares (process group, run dir, checkpoints, logs, cadence) lives in resmlp.core.engine.
+this folder (networks, head, loss, ema, step, health); the crop plan is data's
+(resmlp.data.crop_plan); what every trainer shares (process group, run dir, checkpoints,
+logs, cadence) lives in resmlp.core.engine.
 """
 from __future__ import annotations
 
@@ -13,12 +14,21 @@ import torch
 
 from resmlp.core import dist
 from resmlp.core.engine import Cadence, Run, command, progress
+from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
+from resmlp.data.crop_plan import build_views, crop_plan
 from resmlp.data.resumable import build_train_loader
-from resmlp.ssl.crop_plan import build_views, crop_plan
 from resmlp.ssl.health import CollapseWatch, collapse_warning
 from resmlp.ssl.step import build_dino_step
+
+
+DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}) on {c.data.subset} {c.data.name} "
+             "images for {c.epochs} epochs, to show the pipeline learns. The real run needs a GPU: on one, `bash "
+             "run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
+# A log line's values after "ep <epoch> it <iteration>", from the record run.log writes.
+LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teacher_temp:.3f} H_t {teacher_entropy:.2f} "
+            "KL {teacher_kl_mean:.3f} {images_per_s:.0f} img/s")
 
 
 def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None,
@@ -30,7 +40,7 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
     k, temp = 20, float(cfg.knn.temperature)
     picture = picture_step is not None and bool(cfg.dino.tensorboard_neighbours)
     res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
-                     batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
+                     batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
                      keep_features=linear or picture, cache=cache)
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
@@ -53,33 +63,36 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
     return out
 
 
+def build_data(cfg, run, plan):
+    """(the views of `plan`, the training split, its loader, its resumable sampler)."""
+    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=run.device)
+    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
+    loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
+                                         pin_memory=run.device.type == "cuda", keyed=views.keyed,
+                                         collate_fn=views.collate)
+    return views, dataset, loader, sampler
+
+
 def train(cfg):
     """Run DINO and return (run, student, teacher, results). `run(cfg)` is the CLI entry."""
     demo = bool(cfg.demo)
     run = Run(cfg)
     if demo:
-        run.print(f"CPU demo: a small ResMLP (dim {cfg.model.dim}, depth {cfg.model.depth}) on {cfg.data.subset} "
-                  f"{cfg.data.name} images for {cfg.epochs} epochs, "
-                  "to show the pipeline learns. The real run needs a GPU: on one, `bash run.sh dino "
-                  "resmlp_s12` trains the full preset; demo=false forces it here.")
+        run.print(DEMO_TEXT.format(c=cfg))
     device = run.device
 
     # ---- data: the multi-crop views of the training split ----------------------------------
     plan = crop_plan(cfg)
-    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=device)
-    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
-    loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
-                                         pin_memory=device.type == "cuda", keyed=views.keyed,
-                                         collate_fn=views.collate)
+    views, dataset, loader, sampler = build_data(cfg, run, plan)
     ipe = sampler.batches_per_epoch
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, device, run.scaler, run.autocast, run.world_size)
+    step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size)
     student, teacher = step.student, step.teacher
 
     # ---- schedules, per iteration ---------------------------------------------------------
     E, o = cfg.epochs, cfg.optim
-    lr_sched = cosine_schedule(o.lr * cfg.batch_size / 256, o.min_lr, E, ipe, o.warmup_epochs)
+    lr_sched = cosine_schedule(scaled_lr(o, cfg.batch_size), o.min_lr, E, ipe, o.warmup_epochs)
     wd_sched = cosine_schedule(o.weight_decay, o.weight_decay_end, E, ipe)
     m_sched = cosine_schedule(cfg.dino.momentum_teacher, 1.0, E, ipe)
     t_sched = linear_warmup_then_constant(cfg.dino.warmup_teacher_temp, cfg.dino.teacher_temp,
@@ -101,9 +114,9 @@ def train(cfg):
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     collapse = CollapseWatch(cfg.dino.collapse_kl, cfg.dino.collapse_patience, cfg.dino.bottleneck_norm)
 
-    run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} "
-              f"iterations, global batch {cfg.batch_size} on {run.world_size} x {device.type}, crops "
-              f"{plan.label()} px ({cfg.dino.local_crops}, made on the {cfg.dino.augment}), run dir {run.dir}")
+    run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} iterations, global "
+              f"batch {cfg.batch_size} on {run.world_size} x {device.type}, crops {plan.label()} px "
+              f"({plan.strategy}, made on the {cfg.dino.augment}), run dir {run.dir}")
 
     # ---- the loop -------------------------------------------------------------------------
     it = start_it
@@ -126,10 +139,7 @@ def train(cfg):
                 if run.interactive:
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                 else:
-                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
-                              f"lr {record['lr']:.2e} wd {record['wd']:.3f} m {record['momentum']:.4f} "
-                              f"T_t {record['teacher_temp']:.3f} H_t {record['teacher_entropy']:.2f} "
-                              f"KL {record['teacher_kl_mean']:.3f} {record['images_per_s']:.0f} img/s")
+                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} " + LOG_LINE.format(**record))
                 warning = collapse.update(record["teacher_kl_mean"])
                 if warning:
                     run.print(f"warning: {warning}")
@@ -142,7 +152,7 @@ def train(cfg):
         warning = collapse_warning(entropy, cfg.dino.out_dim) if entropy is not None else None
         if warning:
             run.print(f"warning: {warning}")
-        if cadence.eval_due(epoch + 1):
+        if cadence.eval_due(epoch + 1):  # <- sync point: the k-NN
             with cadence.evaluating():
                 res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images,
                                  picture_step=it)
@@ -159,23 +169,29 @@ def train(cfg):
                            picture_step=it if cfg.eval_every else None)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
-    if "init" in results and run.is_main:
-        gain = final["knn_top1"] - results["init"]["knn_top1"]
+    # summed over every start: a finished run resumed again keeps its rate
+    summary = run.finish(summarize(run, cfg, results, teacher, cadence.timing_report()["train_images_per_s"]))
+    return run, step.raw_student, teacher, summary
+
+
+def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
+    """Print the k-NN from init to the end (and raw pixels' beside it); results.json's
+    fields (run.finish adds the wall time and the device)."""
+    init, final = results.get("init"), results["final"]
+    if init and run.is_main:
         pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
                   if "pixels" in results else "")
-        run.print(f"k-NN top-1: {results['init']['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} "
-                  f"after {E} epochs ({gain:+.2f}){pixels}")
+        run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} after {cfg.epochs} "
+                  f"epochs ({final['knn_top1'] - init['knn_top1']:+.2f}){pixels}")
     if run.is_main:
-        top1, top5 = final["knn_top1"], final["knn_top5"]
-        print(f"knn top1={top1:.2f} top5={top5:.2f} (k=20, T={float(cfg.knn.temperature):g})")
-    summary = run.finish({"command": "dino", "model": cfg.model.name, "data": cfg.data.name,
-                          "epochs": E, "demo": demo, "local_crops": cfg.dino.local_crops,
-                          "params": sum(p.numel() for p in teacher.backbone.parameters()),
-                          # summed over every start: a finished run resumed again keeps its rate
-                          "train_images_per_s": cadence.timing_report()["train_images_per_s"], **run.memory_mb(),
-                          **{f"init_{k}": v for k, v in results.get("init", {}).items()},
-                          **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final})
-    return run, step.raw_student, teacher, summary
+        print(f"knn top1={final['knn_top1']:.2f} top5={final['knn_top5']:.2f} "
+              f"(k=20, T={float(cfg.knn.temperature):g})")
+    return {"command": "dino", "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
+            "demo": bool(cfg.demo), "local_crops": cfg.dino.local_crops,
+            "params": sum(p.numel() for p in teacher.backbone.parameters()),
+            "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
+            **{f"init_{k}": v for k, v in results.get("init", {}).items()},
+            **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final}
 
 
 run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

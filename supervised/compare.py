@@ -118,7 +118,7 @@ def shared_overrides(cfg) -> list[str]:
 def sub_config(cfg, step: Step):
     """The config of one path, as `bash run.sh <command> ...` would build it."""
     if step.base_dir is not None:
-        from resmlp.core.cli import saved_config
+        from resmlp.core.checkpoint import saved_config
         base = saved_config(str(step.base_dir))
     else:
         base = {"data": to_dict(cfg.data)}

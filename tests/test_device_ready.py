@@ -31,8 +31,8 @@ DEVICE_CODE = (f"{os.sep}ssl{os.sep}", "gpu_augment", f"core{os.sep}engine", f"{
 
 def tiny_step(device="cpu", extra=()):
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data=imagefolder", "data.img_size=32", "model.patch_size=8",
-                                             "dino.local_size=16", *extra])
-    from resmlp.ssl.crop_plan import crop_plan
+                                             "data.local_size=16", *extra])
+    from resmlp.data.crop_plan import crop_plan
     return cfg, crop_plan(cfg)
 
 

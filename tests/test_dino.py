@@ -115,9 +115,10 @@ def test_multicrop_groups_resolutions_like_separate_forwards():
 
 
 def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
+    from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.networks import build_networks
     cfg = tiny_cfg(tmp_path)
-    student, teacher = build_networks(cfg, torch.device("cpu"))
+    student, teacher = build_networks(cfg, crop_plan(cfg), torch.device("cpu"))
     for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
         assert torch.equal(s, t), n
     assert not any(p.requires_grad for p in teacher.parameters())
@@ -125,11 +126,11 @@ def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
 
 
 def test_bad_strategy_is_a_user_error(tmp_path):
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     with pytest.raises(UserError, match="dino.local_crops"):
         crop_plan(tiny_cfg(tmp_path, "dino.local_crops=stretch"))
     with pytest.raises(UserError, match="multiple of model.patch_size"):
-        crop_plan(tiny_cfg(tmp_path, "dino.local_size=10"))
+        crop_plan(tiny_cfg(tmp_path, "data.local_size=10"))
 
 
 def test_imagenet_recipe_follows_dinos_300_epoch_run():
@@ -141,7 +142,7 @@ def test_imagenet_recipe_follows_dinos_300_epoch_run():
     d, o = cfg.dino, cfg.optim
     assert (cfg.epochs, cfg.batch_size, d.norm_last_layer) == (300, 1024, False)
     assert (d.warmup_teacher_temp, d.teacher_temp, d.warmup_teacher_temp_epochs) == (0.04, 0.07, 30)
-    assert (d.momentum_teacher, d.out_dim, d.n_local_crops, d.local_size, d.freeze_last_layer) == (0.996, 65536, 8, 96, 1)
+    assert (d.momentum_teacher, d.out_dim, d.n_local_crops, cfg.data.local_size, d.freeze_last_layer) == (0.996, 65536, 8, 96, 1)
     assert (tuple(d.global_crops_scale), tuple(d.local_crops_scale)) == ((0.4, 1.0), (0.05, 0.4))
     assert (o.lr, o.min_lr, o.warmup_epochs, o.weight_decay, o.weight_decay_end, o.clip_grad) == \
         (0.0005, 1e-6, 10, 0.04, 0.4, 3.0)

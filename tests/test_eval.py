@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from resmlp.core.errors import UserError
-from resmlp.models import checkpoints as ck
+from resmlp.models import load as ck
 from resmlp.eval import features as fe
 from resmlp.eval.knn import (check_ks, knn_classify, knn_evaluate, knn_search, resolve_backend,
                              topk_correct)

@@ -12,7 +12,7 @@ needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py); the campai
 
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out_dim=64", "dino.hidden_dim=32",
         "dino.bottleneck_dim=16", "dino.n_local_crops=2", "model.drop_path_rate=0.0", "data=imagefolder",
-        "data.img_size=32", "model.patch_size=8", "dino.local_size=16", "dino.freeze_last_layer=1"]
+        "data.img_size=32", "model.patch_size=8", "data.local_size=16", "dino.freeze_last_layer=1"]
 # (lr, weight decay, momentum, teacher temperature, epoch): every value moves, the last
 # layer unfreezes half-way, and the decay is large enough that a wrong one would show
 SCHEDULE = [(1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4, 0.994, 0.06, 1),
@@ -20,7 +20,7 @@ SCHEDULE = [(1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4,
 
 
 def tiny(*extra):
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     cfg = load_config("dino", "resmlp_s12", [*TINY, *extra])
     return cfg, crop_plan(cfg)
 
