@@ -9,6 +9,7 @@
 - neighbours.py   a few test images with the k-NN's own nearest training images
 - patch_pca.py    patch tokens before pooling on their first principal components
 - export.py       a run's backbone for timm / the official code / safetensors: `export`
+- figure.py       a matplotlib figure without pyplot (every picture above)
 - command.py      what the knn / linear / viz commands share (backbone, features, output)
 
 Checkpoints come in through resmlp.models.load. Import from the modules

@@ -85,7 +85,7 @@ def draw_neighbours(nb: dict, query_images, neighbour_images, class_names, title
     One mosaic image with the frames painted in, and text at its pixel positions: a few
     artists instead of an axes per image (a grid draws in well under a second).
     """
-    from resmlp.eval.viz import new_figure, wrap
+    from resmlp.eval.figure import new_figure, wrap
     n, k = len(nb["queries"]), nb["k"]
     names = list(class_names or [])
 

@@ -150,7 +150,7 @@ def patch_pca(model: nn.Module, images: torch.Tensor, threshold: float = 0.5) ->
 def draw_patch_pca(res: dict, shown: list[np.ndarray], titles: list[str], title: str, dpi: int = 150):
     """Rows of image | first 3 components as RGB | image outside the thresholded first
     component faded: a matplotlib Figure (Agg canvas)."""
-    from resmlp.eval.viz import new_figure, wrap
+    from resmlp.eval.figure import new_figure, wrap
     b = len(shown)
     h, w = res["grid"]
     fig = new_figure(6.3, 2.1 * b + 0.5, dpi)

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.errors import UserError
+from resmlp.eval.figure import new_figure
 
 WEIGHT_FIGURES = ("cross_patch", "sparsity", "curves")
 FEATURE_FIGURES = ("neighbours", "patch_pca")
@@ -201,21 +202,6 @@ def curve_series(rows: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------- drawing
-
-def wrap(text: str, width: int) -> str:
-    """Each line of a figure title wrapped to `width` characters."""
-    import textwrap
-    return "\n".join(textwrap.fill(line, width) for line in text.splitlines())
-
-
-def new_figure(w: float, h: float, dpi: float = 100):
-    """A matplotlib Figure on its own Agg canvas (no pyplot state), w x h inches."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(w, h), dpi=dpi)
-    FigureCanvasAgg(fig)
-    return fig
-
 
 def draw_cross_patch(mats: list[torch.Tensor], grid: tuple[int, int], c: int, path: Path,
                      title: str, dpi: int = 150) -> None:

@@ -36,7 +36,7 @@ import torch
 from resmlp.core.errors import UserError
 from resmlp.ssl.ema import update_teacher_by
 from resmlp.ssl.health import teacher_stats
-from resmlp.ssl.step import clip_per_parameter
+from resmlp.ssl.clip import clip_per_parameter
 
 WARMUP = 3   # uncaptured calls before the capture (torch's own examples use 3)
 

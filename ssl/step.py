@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.engine import DeviceTally
+from resmlp.ssl.clip import clip_per_parameter
 from resmlp.ssl.ema import update_teacher
 from resmlp.ssl.health import teacher_stats
 
@@ -94,25 +95,6 @@ class DinoStep:
     def read(self) -> dict:
         """What accumulated since the last read (DeviceTally.read: the sync point)."""
         return self.tally.read()
-
-
-@torch.no_grad()
-def clip_per_parameter(parameters, max_norm: float) -> None:
-    """DINO's clipping: each parameter's gradient norm is clipped on its own to max_norm.
-
-    The same arithmetic as DINO's per-parameter loop, in a handful of kernels and with no
-    read on the host: the norms are stacked once, every scale min(1, max_norm / (norm +
-    1e-6)) is computed together, then spread to one full-size factor per gradient so that
-    the multiply takes torch's fused multi-tensor path (it needs equal shapes pairwise; a
-    0-dim factor per gradient would fall back to one kernel per parameter)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads or max_norm <= 0:
-        return
-    norms = torch.stack(torch._foreach_norm(grads))
-    scales = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
-    spread = torch.cat([s.expand(g.numel()) for s, g in zip(scales.unbind(0), grads)])
-    factors = [f.view(g.shape) for f, g in zip(spread.split([g.numel() for g in grads]), grads)]
-    torch._foreach_mul_(grads, factors)
 
 
 def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from resmlp.core.config import load_config
 from resmlp.core.errors import RunFailed, UserError
 from resmlp.ssl.ema import update_teacher
-from resmlp.ssl.step import clip_per_parameter
+from resmlp.ssl.clip import clip_per_parameter
 from resmlp.ssl.networks import MultiCropNet
 
 ROOT = Path(__file__).resolve().parent.parent
