@@ -364,6 +364,10 @@ def render(results: list, summary: list, meta: dict, profile: str) -> str:
 
 # --------------------------------------------------------------------------- entry
 
+def results_dir(cfg) -> Path:
+    return Path(cfg.out).expanduser() if cfg.out else Path("runs") / "bench"
+
+
 def bench(cfg) -> dict:
     """Run the configured rows; return the report (also written to <out>/bench.json)."""
     profile, device = choose(cfg)
@@ -377,7 +381,7 @@ def bench(cfg) -> dict:
     bad = [m for m in models if m not in list_models()]
     if bad:
         raise UserError(f"the bench measures the ResMLP presets ({', '.join(list_models())}), not {bad}")
-    out_dir = Path(cfg.out).expanduser() if cfg.out else Path("runs") / "bench"
+    out_dir = results_dir(cfg)
     torch.manual_seed(int(cfg.seed))
     # As the trainer (core.engine.Run) and DINO's main_dino.py do, for ours and the reference alike.
     torch.backends.cudnn.benchmark = device.type == "cuda"

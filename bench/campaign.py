@@ -111,6 +111,11 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
 
 # --------------------------------------------------------------------------- one call
 
+def results_dir(cfg) -> Path:
+    """The campaign dir (its report folder is made inside it unless campaign.report names another)."""
+    return Path(str(cfg.out)).expanduser()
+
+
 class Campaign:
     def __init__(self, cfg):
         self.cfg = cfg

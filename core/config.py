@@ -129,9 +129,11 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
 
     OmegaConf.set_struct(cfg, True)
     cfg.demo = _demo_wanted(cfg, rest)
+    from_demo = len(cfg.demo_overrides) if cfg.demo else 0
     if cfg.demo:
         rest = [*cfg.demo_overrides, *rest]  # the command line still wins
-    for o in rest:
+    origin: dict = {}  # key -> where the value it holds now came from (for the messages)
+    for i, o in enumerate(rest):
         key = _key_of(o)
         if key in moved:
             raise UserError(f"{key} is now {moved[key]}: pass {moved[key]}={o.split('=', 1)[1]}")
@@ -142,7 +144,12 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
             if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
                 raise UserError(f"unknown config key {key!r}{_valid_keys_hint(cfg, key)}") from None
             raise UserError(f"bad value in {o!r}: {str(e).splitlines()[0]}") from None
-        _check_type(key, before, OmegaConf.select(cfg, key))
+        saved = base is not None and key.split(".")[0] in ("model", "data")  # carried over from the run
+        _check_type(key, before, OmegaConf.select(cfg, key),
+                    origin.get(key, f"the checkpoint's config has {before}" if saved else f"the default is {before}"),
+                    limits.get(key))
+        origin[key] = f"the CPU demo's demo_overrides set {o}" if i < from_demo else \
+            f"{o} came earlier on the command line"
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -181,20 +188,36 @@ class Limit:
         return text + (" (or null)" if self.null else "")
 
     @classmethod
-    def from_spec(cls, spec, where: str) -> "Limit":
+    def from_spec(cls, spec, where: str) -> "Limit | Choice":
         """A limit as the YAML files write it: a kind's name (LIMIT_KINDS) or its fields,
-        e.g. {min: 0, max: 1}, {above: 0, nullable: true}, {min: 1, whole: true}."""
+        e.g. {min: 0, max: 1}, {above: 0, nullable: true}, {min: 1, whole: true}; or the
+        list of the words a key may hold, e.g. [auto, never]."""
         if isinstance(spec, str) and spec in LIMIT_KINDS:
             return LIMIT_KINDS[spec]
+        if isinstance(spec, (list, ListConfig)) and spec:
+            return Choice(tuple(spec))
         fields = dict(spec) if isinstance(spec, (dict, DictConfig)) else None
         if fields is None or not fields.keys() <= {"min", "above", "max", "below", "whole", "nullable"} \
                 or ("min" in fields) == ("above" in fields) or ("max" in fields and "below" in fields):
-            raise UserError(f"{where}: {spec!r} is not a limit; use one of {', '.join(LIMIT_KINDS)} or fields "
-                            "{min | above: n, max | below: n, whole: true, nullable: true}")
+            raise UserError(f"{where}: {spec!r} is not a limit; use one of {', '.join(LIMIT_KINDS)}, fields "
+                            "{min | above: n, max | below: n, whole: true, nullable: true} or a list of words")
         high = fields.get("max", fields.get("below"))
         return cls(float(fields.get("min", fields.get("above"))), None if high is None else float(high),
                    whole=bool(fields.get("whole", False)), open_low="above" in fields, open_high="below" in fields,
                    null=bool(fields.get("nullable", False)))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The words a key may hold (a list in a `limits:` section; null among them if allowed)."""
+    words: tuple
+
+    def allows(self, v) -> bool:
+        return any(v == w and type(v) is type(w) or v is w for w in self.words)
+
+    def describe(self) -> str:
+        return "one of " + ", ".join("null" if w is None else str(w).lower() if isinstance(w, bool) else str(w)
+                                     for w in self.words)
 
 
 # The kinds of number the `limits:` sections name most often.
@@ -221,8 +244,7 @@ def _take_rules(cfg: DictConfig, command: str) -> tuple[dict, dict]:
 
 
 def check_values(cfg: DictConfig, limits: dict) -> None:
-    """Numbers within their `limits` ({key: Limit}), and `out` not an existing file;
-    UserError otherwise."""
+    """Values within their `limits` ({key: Limit or Choice}); UserError otherwise."""
     for key, limit in limits.items():
         value = OmegaConf.select(cfg, key, default="<missing>")
         if isinstance(value, str) and value == "<missing>":
@@ -232,17 +254,17 @@ def check_values(cfg: DictConfig, limits: dict) -> None:
             if not limit.allows(v):
                 raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
                                 f"{limit.describe()}")
-    out = OmegaConf.select(cfg, "out", default=None)
-    if out and Path(str(out)).expanduser().exists() and not Path(str(out)).expanduser().is_dir():
-        raise UserError(f"out={out} is an existing file; out= names a directory for the run's outputs")
 
 
 def _show(value) -> str:
     return str(list(value)) if isinstance(value, ListConfig) else str(value)
 
 
-def _check_type(key: str, before, after) -> None:
-    """Untyped YAML accepts anything: keep numbers numbers and flags flags."""
+def _check_type(key: str, before, after, origin: str, limit=None) -> None:
+    """Untyped YAML accepts anything: keep numbers numbers and flags flags (null too where
+    the key's limit allows it). `origin` says where `before` came from."""
+    if after is None and limit is not None and limit.allows(None):
+        return
     def kind(v):
         if isinstance(v, bool):
             return "true/false"
@@ -253,7 +275,7 @@ def _check_type(key: str, before, after) -> None:
         return None
     want = kind(before)
     if want and kind(after) != want and not (want == "a list" and after is not None):
-        raise UserError(f"{key}={after!r} should be {want} (the default is {before})")
+        raise UserError(f"{key}={after!r} should be {want} ({origin})")
 
 
 def _demo_wanted(cfg: DictConfig, overrides: list[str]) -> bool:

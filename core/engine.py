@@ -204,8 +204,6 @@ class Run:
         if self.cfg.resume == "never":
             raise UserError(f"{self.dir} already holds a checkpoint; pass resume=auto to continue it, "
                             "or out=<another dir>")
-        if self.cfg.resume != "auto":
-            raise UserError(f"resume={self.cfg.resume!r} is not one of auto, never")
         saved = OmegaConf.to_container(OmegaConf.load(saved_cfg)) if saved_cfg.exists() else \
             self._latest_checkpoint(quiet=True)[0].get("config", {})
         diffs = config_differences(saved, to_dict(self.cfg))

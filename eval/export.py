@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from resmlp.core.checkpoint import atomic_write
+from resmlp.core.checkpoint import atomic_write, resolve_checkpoint_path
 from resmlp.core.errors import UserError
 from resmlp.core.report import write_json
 from resmlp.models import export_state_dict
@@ -105,6 +105,14 @@ def _known_knn(info: Mapping) -> dict | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def results_dir(cfg) -> Path | None:
+    """Where run() writes: out=, else export/ beside the checkpoint (a timm:<name> is refused later)."""
+    if cfg.out:
+        return Path(cfg.out)
+    spec = str(cfg.checkpoint)
+    return None if spec.startswith("timm:") else resolve_checkpoint_path(spec).parent / "export"
 
 
 def run(cfg) -> int:

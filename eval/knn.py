@@ -86,8 +86,9 @@ def _labels(y, n: int, num_classes: int, name: str) -> torch.Tensor:
     return y
 
 
-def check_ks(ks, n_train: int) -> list[int]:
-    """k values as a sorted list of ints; accepts 20, [10, 20], "10,20"."""
+def check_ks(ks, n_train: int, key: str = "knn.k") -> list[int]:
+    """k values as a sorted list of ints; accepts 20, [10, 20], "10,20". `key`: the config
+    key the messages name (the one the user sets)."""
     if isinstance(ks, str):
         ks = [v for v in ks.replace(" ", "").strip("[]").split(",") if v]
     elif not isinstance(ks, Iterable):
@@ -97,17 +98,18 @@ def check_ks(ks, n_train: int) -> list[int]:
         try:
             kf = float(k)
         except (TypeError, ValueError):
-            raise UserError(f"k={k!r} is not an integer; use e.g. k=20 or k=10,20") from None
+            raise UserError(f"{key}={k!r} is not an integer; use e.g. {key}=20 or {key}=10,20") from None
         if kf != int(kf):
-            raise UserError(f"k={k!r} is not an integer; use e.g. k=20 or k=10,20")
+            raise UserError(f"{key}={k!r} is not an integer; use e.g. {key}=20 or {key}=10,20")
         k = int(kf)
         if k <= 0:
-            raise UserError(f"k={k} must be positive")
+            raise UserError(f"{key}={k} must be positive")
         if k > n_train:
-            raise UserError(f"k={k} is larger than the train set ({n_train} features); use k <= {n_train}")
+            raise UserError(f"{key}={k} is larger than the train set ({n_train} images); use {key}={n_train} "
+                            "or less")
         out.append(k)
     if not out:
-        raise UserError("no k given; use e.g. k=20 or k=10,20")
+        raise UserError(f"no k given; use e.g. {key}=20 or {key}=10,20")
     return sorted(set(out))
 
 
@@ -598,6 +600,8 @@ def check_knn_config(cfg) -> None:
 
 
 def run(cfg) -> int:
+    from resmlp.data.datasets import require_classes
+    require_classes(cfg.data, "a k-NN accuracy")
     from resmlp.eval.command import eval_command
     check_knn_config(cfg)
     return eval_command(knn_command)(cfg)

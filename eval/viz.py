@@ -424,7 +424,7 @@ def check_viz_config(v) -> None:
     numbers' ranges: the limits of configs/method/viz.yaml)."""
     from resmlp.eval.knn import check_ks
     _figures(v.figures)
-    if len(check_ks(v.k, 2**62)) != 1:
+    if len(check_ks(v.k, 2**62, "viz.k")) != 1:
         raise UserError(f"k={v.k}: the neighbours grid takes one k (e.g. k=5)")
 
 
@@ -444,10 +444,15 @@ def viz_command(cfg, bb) -> dict | None:
     inputs = None
     if any(f in FEATURE_FIGURES for f in figures):
         n_train = features["train"]["features"].shape[0] if features else 2**62
-        inputs = FeatureInputs(cfg.data, features, check_ks(v.k, n_train)[0], int(v.queries), int(v.pca_images),
+        inputs = FeatureInputs(cfg.data, features, check_ks(v.k, n_train, "viz.k")[0], int(v.queries), int(v.pca_images),
                                v.pca_size, float(v.pca_threshold), int(cfg.seed), str(cfg.knn.backend), bb.device)
     return make_figures(bb.model, bb.info, bb.out_dir, figures, v.central, float(v.threshold), int(v.dpi),
                         inputs=inputs)
+
+
+def results_dir(cfg) -> Path:
+    from resmlp.eval.command import results_dir as under
+    return under(cfg, "viz")
 
 
 def run(cfg) -> int:

@@ -113,12 +113,20 @@ def unwrap(obj: dict, key: str = "teacher", path: str = "") -> tuple[dict, dict]
             info["source"] = ("supervised" if ours else f"state_dict['{w}']")
             if ours and info["command"]:
                 info["source"] = str(info["command"])
-            return _strip(obj[w], "module."), info
+            return _one_network(_strip(obj[w], "module."), info, key, path)
     if _is_state_dict(obj):
         info["source"] = "state_dict"
-        return _strip(obj, "module."), info
+        return _one_network(_strip(obj, "module."), info, key, path)
     raise UserError(f"{path} holds no model weights (top-level keys: {_preview(obj)}); pass a "
                     "checkpoint of this project, an official DINO checkpoint or a ResMLP state_dict")
+
+
+def _one_network(sd: dict, info: dict, key: str, where: str) -> tuple[dict, dict]:
+    """A checkpoint of one network: asking for a DINO student would silently get it instead."""
+    if key == "student":
+        raise UserError(f"{where} holds one network ({info['source']}), not DINO's teacher and student: only "
+                        "a DINO checkpoint has a student; leave the key at teacher")
+    return sd, info
 
 
 # --------------------------------------------------------------------------- architecture
@@ -319,6 +327,7 @@ def load_backbone(spec, key: str = "teacher", device="cpu", pretrained: bool = T
     """
     spec = str(spec)
     if spec.startswith("timm:"):
+        _one_network({}, {"source": "timm"}, key, spec)
         model, info = _timm_backbone(spec, pretrained, img_size, in_chans)
     else:
         model, info = _load_file(spec, key, img_size)

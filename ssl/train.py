@@ -13,17 +13,20 @@ import time
 import torch
 
 from resmlp.core import dist
+from resmlp.core.config import as_list
 from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.crop_plan import build_views, crop_plan
+from resmlp.data.datasets import fit_demo_subset, one_class_problem
 from resmlp.data.resumable import build_train_loader
+from resmlp.eval.knn import check_ks
 from resmlp.ssl.health import CollapseWatch, collapse_warning
 from resmlp.ssl.step import build_dino_step
 
 
-DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}) on {c.data.subset} {c.data.name} "
+DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}) on {n} {c.data.name} "
              "images for {c.epochs} epochs, to show the pipeline learns. The real run needs a GPU: on one, `bash "
              "run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
 # A log line's values after "ep <epoch> it <iteration>", from the record run.log writes.
@@ -33,16 +36,17 @@ LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teach
 
 def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None,
                picture_step: int | None = None) -> dict:
-    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features;
+    """k-NN (knn.k, DINO's protocol) and optionally a linear probe of the teacher's features;
     with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard.
     cache: the run's dict of eval images kept between calls (eval.knn.online_knn)."""
     from resmlp.eval.knn import online_knn
-    k, temp = 20, float(cfg.knn.temperature)
+    temp = float(cfg.knn.temperature)
     picture = picture_step is not None and bool(cfg.dino.tensorboard_neighbours)
-    res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
+    res = online_knn(teacher_backbone, cfg.data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
                      batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
                      keep_features=linear or picture, cache=cache)
+    k = res["knn_k"]
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
     if picture and run.is_main:
@@ -76,15 +80,23 @@ def build_data(cfg, run, plan):
 def train(cfg):
     """Run DINO and return (run, student, teacher, results). `run(cfg)` is the CLI entry."""
     demo = bool(cfg.demo)
+    fitted = fit_demo_subset(cfg)
     run = Run(cfg)
-    if demo:
-        run.print(DEMO_TEXT.format(c=cfg))
     device = run.device
 
     # ---- data: the multi-crop views of the training split ----------------------------------
     plan = crop_plan(cfg)
     views, dataset, loader, sampler = build_data(cfg, run, plan)
     ipe = sampler.batches_per_epoch
+    # the k-NN's bank is the (labelled) training split: its k must fit before any work
+    check_ks(cfg.knn.k, len(dataset) if train_split_for_ssl(cfg.data) == "train" else
+             len(build_dataset(cfg.data, "train")))
+    if demo:
+        run.print(DEMO_TEXT.format(c=cfg, n=len(dataset)) + (f" ({fitted})" if fitted else ""))
+    # DINO needs no labels, so one class is a valid training set; only its k-NN says nothing
+    one_class = one_class_problem(cfg.data, "the teacher's k-NN (and linear) accuracy")
+    if one_class:
+        run.print(f"warning: {one_class}")
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
     step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size)
@@ -169,6 +181,9 @@ def train(cfg):
                            picture_step=it if cfg.eval_every else None)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
+    if one_class:
+        results["warning"] = one_class
+        run.print(f"warning: {one_class}")
     # summed over every start: a finished run resumed again keeps its rate
     summary = run.finish(summarize(run, cfg, results, teacher, cadence.timing_report()["train_images_per_s"]))
     return run, step.raw_student, teacher, summary
@@ -185,13 +200,14 @@ def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
                   f"epochs ({final['knn_top1'] - init['knn_top1']:+.2f}){pixels}")
     if run.is_main:
         print(f"knn top1={final['knn_top1']:.2f} top5={final['knn_top5']:.2f} "
-              f"(k=20, T={float(cfg.knn.temperature):g})")
+              f"(k={final['knn_k']}, T={float(cfg.knn.temperature):g})")
     return {"command": "dino", "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
             "demo": bool(cfg.demo), "local_crops": cfg.dino.local_crops,
             "params": sum(p.numel() for p in teacher.backbone.parameters()),
             "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
             **{f"init_{k}": v for k, v in results.get("init", {}).items()},
-            **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final}
+            **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final,
+            **({"warning": results["warning"]} if "warning" in results else {})}
 
 
 run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

@@ -25,7 +25,8 @@ from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule
-from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std, num_classes
+from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std
+from resmlp.data.datasets import fit_demo_subset, require_classes
 from resmlp.data.resumable import build_train_loader
 from resmlp.models.from_config import build_model
 from resmlp.supervised.distill import distillation_loss, load_teacher
@@ -165,11 +166,11 @@ def check_inputs(cfg) -> None:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
 
 
-def demo_text(cfg) -> str:
+def demo_text(cfg, n_images: int) -> str:
     from resmlp.models import list_models
     size = (f" (dim {cfg.model.dim}, depth {cfg.model.depth})"
             if cfg.model.name in list_models() and cfg.model.dim else "")
-    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=cfg.data.subset or "all", e=cfg.epochs)
+    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=n_images, e=cfg.epochs)
     a = cfg.aug
     light = not a.auto_augment and not (a.mixup or a.cutmix)
     return (f"CPU demo: {what}, to show the pipeline learns"
@@ -207,15 +208,16 @@ def train(cfg):
     """Train as cfg.command says; return (run, model, results). `run(cfg)` is the CLI entry."""
     check_inputs(cfg)
     demo = bool(cfg.demo)
+    fitted = fit_demo_subset(cfg)
     run = Run(cfg)
     device = run.device
-    if demo:
-        run.print(demo_text(cfg))
 
     # ---- data: augmented training split, plain test split ---------------------------------
-    n_classes = num_classes(cfg.data)
+    n_classes = require_classes(cfg.data, f"{cfg.command}'s top-1")
     dataset, loader, sampler = build_train_data(cfg, run)
     ipe = sampler.batches_per_epoch
+    if demo:
+        run.print(demo_text(cfg, len(dataset)) + (f" ({fitted})" if fitted else ""))
     test_loader = build_test_loader(cfg, run)
 
     # ---- the step: networks, mixup, loss, EMA, optimizer; the lr schedule per iteration ----

@@ -185,7 +185,7 @@ def test_checkpoint_roundtrip_and_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pth")
     (tmp_path / "notes.pth").write_text("not a checkpoint")
-    with pytest.raises(UserError, match="not a readable torch checkpoint"):
+    with pytest.raises(UserError, match="is not a checkpoint: torch cannot read it"):
         load_checkpoint(tmp_path / "notes.pth")
     with pytest.raises(UserError, match="without checkpoint.pth"):
         load_checkpoint(tmp_path)
