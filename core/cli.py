@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 from resmlp.core.checkpoint import check_writable, saved_config
-from resmlp.core.errors import PREEMPTED_EXIT, Preempted, RunFailed, UserError
+from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"command {argv[0]!r} is not available in this version") from None
             raise
         return int(run(cfg) or 0)
+    except Finished as e:
+        print(e, flush=True)
+        return 0
     except Preempted as e:
         if str(e):  # rank 0's; the other ranks stop quietly
             print(e, file=sys.stderr)

@@ -33,7 +33,7 @@ from resmlp.core import dist, preempt
 from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, load_checkpoint, rng_state, save_checkpoint,
                                     set_rng_state)
 from resmlp.core.config import save_config, to_dict
-from resmlp.core.errors import Preempted, RunFailed, UserError
+from resmlp.core.errors import Finished, Preempted, RunFailed, UserError
 from resmlp.core.lock import RunLock, release_all
 
 # Fault injection for the resume tests: the process kills itself after this iteration.
@@ -84,14 +84,37 @@ class JsonlLogger:
     def __init__(self, directory: Path | None):
         self.file = None
         self.tb = None
+        self.directory = directory
         if directory is None:
             return
         self.file = open(directory / "log.jsonl", "a", buffering=1)
+        self._open_tb()
+
+    def _open_tb(self, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(directory / "tb"))
+            self.tb = SummaryWriter(str(self.directory / "tb"), purge_step=purge_step)
         except ImportError:  # TensorBoard is optional at run time
             self.tb = None
+
+    def size(self) -> int | None:
+        """Bytes of log.jsonl written so far (a checkpoint keeps it: see rewind)."""
+        if self.file is None:
+            return None
+        self.file.flush()
+        return os.fstat(self.file.fileno()).st_size
+
+    def rewind(self, size: int | None, step: int) -> None:
+        """Back to the log as it was when a checkpoint was saved: log.jsonl cut to `size`
+        bytes and TensorBoard's events after `step` hidden, since the resumed run logs the
+        iterations after the checkpoint again (each is then in the log once)."""
+        if self.file is None or size is None:
+            return
+        if self.size() > size:
+            os.ftruncate(self.file.fileno(), size)  # append mode: the next line goes at the new end
+        if self.tb is not None:
+            self.tb.close()
+            self._open_tb(purge_step=step + 1)
 
     def write(self, record: dict, step: int | None = None) -> None:
         if self.file is None:
@@ -150,6 +173,8 @@ class Run:
         self.lock = RunLock(self.dir)
         self._checked_resume = self._check_run_dir()
         self._agree(self.lock.problem)  # a live run holds the directory: stop before any work
+        if self._checked_resume:
+            self._stop_if_finished()
         self.logger: JsonlLogger | None = None
         self.started = time.time()
         self.interactive = sys.stderr.isatty() and self.is_main
@@ -212,6 +237,20 @@ class Run:
                             "use out=<new dir>, or the old values to resume")
         return True
 
+    def _stop_if_finished(self) -> None:
+        """Resuming a run that has ended (its results.json is there, for at least these
+        epochs) would only evaluate it again and write over its figures: raise Finished.
+        More epochs than it ran continue its training."""
+        try:
+            done = json.loads((self.dir / "results.json").read_text())
+        except (OSError, ValueError):
+            return  # no results yet: the run (or its final evaluation) goes on
+        if not isinstance(done, dict) or int(done.get("epochs") or 0) < int(self.cfg.epochs):
+            return
+        raise Finished(f"{self.dir} holds a finished run ({done.get('epochs')} epochs, results.json): nothing to "
+                       f"do, its results stay as they are; evaluate it with `bash run.sh knn {self.dir}` "
+                       "(or linear, viz), or train another with out=<another dir>")
+
     def _latest_checkpoint(self, quiet: bool = False) -> tuple[dict, Path]:
         """The newest readable of checkpoint.pth and checkpoint_prev.pth, and its path. A
         latest one that is missing (a kill between a save's two renames) or cannot be read
@@ -248,6 +287,7 @@ class Run:
         saved = self.resume_state()
         if saved is None:
             return 0, {}
+        self.logger.rewind(saved.get("log_bytes"), int(saved["iteration"]))
         for name, obj in state.items():
             if obj is None or saved.get(name) is None:
                 continue
@@ -288,7 +328,8 @@ class Run:
         checkpoint_prev.pth."""
         self.open()
         if self.is_main:
-            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg), **state},
+            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
+                                              "log_bytes": self.logger.size(), **state},
                             previous=self.prev_path if name == CHECKPOINT_NAME else None)
         dist.barrier()
 

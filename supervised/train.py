@@ -14,8 +14,6 @@ group, run dir, precision, checkpoints, logs) live in resmlp.core, as for DINO.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn as nn
 from timm.data import create_transform
@@ -237,17 +235,14 @@ def train(cfg):
 
     # ---- the loop ---------------------------------------------------------------------------------
     it = start_it
-    train_time, train_images = 0.0, 0
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
         step.model.train()
-        t_epoch, epoch_steps = time.time(), 0
         bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
                        enabled=run.interactive)
         for images, labels in bar:
             step(images.to(device, non_blocking=True), labels.to(device, non_blocking=True), lr_sched[it], it)
             it += 1
-            epoch_steps += 1
             cadence.count(cfg.batch_size)
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 record = cadence.log_record(it)
@@ -261,8 +256,6 @@ def train(cfg):
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
-        train_time += time.time() - t_epoch
-        train_images += epoch_steps * cfg.batch_size
 
         cadence.read(it)  # <- sync point: the epoch's remaining steps
         mean_loss = cadence.epoch.take().get("loss", float("nan"))
@@ -280,7 +273,7 @@ def train(cfg):
     results["history"] = [h for h in results["history"] if h["epoch"] != E] + [final]
     run.log({k: v for k, v in final.items()}, step=it)
     summary = run.finish(summarize(cfg, results["history"], final, demo, n_params, n_classes, len(dataset),
-                                   train_images / train_time if train_time else None, run, info, step.ema))
+                                   cadence.timing_report()["train_images_per_s"], run, info, step.ema))
     if run.is_main:
         print(f"{cfg.command} top1={final['top1']:.2f} top5={final['top5']:.2f} (best top1={summary['best_top1']:.2f} "
               f"at epoch {summary['best_epoch']}; {cfg.model.name}, {E} epochs, {cfg.data.name} test split, "

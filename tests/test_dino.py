@@ -269,15 +269,16 @@ def _train_cmd(out, *extra):
 
 
 @needs_fmnist
-def test_killed_run_resumes_to_the_same_weights(tmp_path):
-    extra = ("epochs=2", "data.subset=128", "ckpt_every=1")     # 4 iterations per epoch
+def test_killed_run_resumes_to_the_same_weights_and_log_and_a_finished_run_stays(tmp_path):
+    extra = ("epochs=2", "data.subset=128", "ckpt_every=3")     # 4 iterations per epoch: saved at 3, 4, 6, 8
     full = subprocess.run(_train_cmd(tmp_path / "full", *extra), cwd=ROOT, capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-2000:]
-    env = {**os.environ, "RESMLP_KILL_AT_ITERATION": "6"}        # mid-epoch 2
+    env = {**os.environ, "RESMLP_KILL_AT_ITERATION": "7"}        # mid-epoch 2, one iteration past a checkpoint
     killed = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, env=env, capture_output=True,
                             text=True)
     assert killed.returncode != 0
     assert torch.load(tmp_path / "cut" / "checkpoint.pth", weights_only=False)["iteration"] == 6
+    assert '"iteration": 7' in (tmp_path / "cut" / "log.jsonl").read_text()   # logged, then lost with the kill
     resumed = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout
@@ -287,6 +288,18 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     for key in ("teacher", "student"):
         for name, value in a[key].items():
             assert torch.equal(value, b[key][name]), f"{key}.{name}"
+    # the resumed log holds each iteration (and the final k-NN) once, as the uninterrupted one
+    rows = {run: [(r.get("iteration"), r.get("epoch"), "knn_top1" in r)
+                  for r in map(json.loads, (tmp_path / run / "log.jsonl").read_text().splitlines())]
+            for run in ("full", "cut")}
+    assert rows["cut"] == rows["full"] and [r[0] for r in rows["cut"] if r[0]] == list(range(1, 9))
+
+    # the same command on the finished run: says so, exit 0, every file as it was
+    files = {f: (tmp_path / "cut" / f).read_bytes() for f in ("results.json", "log.jsonl", "checkpoint.pth")}
+    again = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "holds a finished run" in again.stdout, again.stderr[-2000:]
+    assert len(again.stdout.strip().splitlines()) == 1 and not again.stderr.strip()
+    assert all((tmp_path / "cut" / f).read_bytes() == b for f, b in files.items())
 
 
 def _free_port():
