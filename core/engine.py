@@ -35,6 +35,7 @@ from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, load_checkpo
 from resmlp.core.config import save_config, to_dict
 from resmlp.core.errors import Finished, Preempted, RunFailed, UserError
 from resmlp.core.lock import RunLock, release_all
+from resmlp.core.report import write_json
 
 # Fault injection for the resume tests: the process kills itself after this iteration.
 KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
@@ -352,8 +353,7 @@ class Run:
             results["timing"] = self.cadence.timing_report()
         self.open()
         if self.is_main:
-            with open(self.dir / "results.json", "w") as f:
-                json.dump(results, f, indent=2)
+            write_json(self.dir / "results.json", results)
         self.logger.close()
         self.lock.release()
         return results

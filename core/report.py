@@ -35,7 +35,7 @@ def json_safe(obj):
 
 def write_json(path: Path, obj) -> Path:
     """Atomic write of obj as indented JSON."""
-    with atomic_write(path, "w") as fh:
+    with atomic_write(path, "w", what=f"the results ({Path(path).name})") as fh:
         json.dump(json_safe(obj), fh, indent=2)
         fh.write("\n")
     return Path(path)

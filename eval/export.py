@@ -47,7 +47,7 @@ def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None
         from safetensors.torch import save_file
         save_file(sd, str(weights), metadata={"format": "resmlp-ssl", "model": info["model"]})
     else:
-        with atomic_write(weights) as f:
+        with atomic_write(weights, what="the exported weights") as f:
             torch.save(export_state_dict(sd, fmt), f)
     card = export_card(info, fmt, weights)
     return weights, write_json(weights.with_suffix(".json"), card)

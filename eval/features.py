@@ -267,7 +267,9 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
     n_cls = len(classes) or int(rdata.num_classes(data_cfg))
     if path is not None:
         if dist.is_main():
-            with atomic_write(path) as fh:
+            with atomic_write(path, what="the feature cache",
+                              then="free some space, set features.cache_dir=<another directory>, or "
+                                   "features.cache=false") as fh:
                 torch.save({"features": feats, "labels": labels, "classes": classes,
                             "num_classes": n_cls, "key": key}, fh)
             if log:
