@@ -63,7 +63,7 @@ def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
     """The trainer reads device values only at log lines, checkpoints and epoch ends: a run
     of 8 iterations makes exactly as many host reads as a run of 4."""
     from resmlp.ssl import train as dino_train
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     counts = {}
     for n in (4, 8):
         counter = SyncCounter(monkeypatch)
@@ -72,7 +72,7 @@ def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
         dino_train.train(cfg)
         counts[n] = counter.count
         monkeypatch.undo()
-        monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+        monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     assert counts[4] == counts[8], counts
     assert counts[8] <= 6, counts  # the end-of-run reads only
 
@@ -198,7 +198,7 @@ def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path
         kw["compile"] = False  # the wiring is what this test checks; compiling costs minutes on 2 cores
         return real(cls, plan, data_cfg, **kw)
     monkeypatch.setattr(gpu_augment.GpuMultiCrop, "from_plan", classmethod(spy))
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     monkeypatch.setattr(dino_train, "build_dino_step", _eager_step_builder())
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "compile=true", "precision=bf16",
                                              f"out={tmp_path}"])
@@ -261,7 +261,7 @@ def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, mon
     from resmlp.core.cli import main
     from resmlp.ssl import step as step_module
     from resmlp.ssl import train as dino_train
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     calls = {"n": 0}
     real = step_module.DinoStep.__call__
 

@@ -164,7 +164,7 @@ def test_imagenet_recipe_follows_dinos_300_epoch_run():
 def test_every_local_crop_strategy_trains(tmp_path, strategy, augment, monkeypatch):
     from resmlp.ssl import train as dino_train
     # The k-NN report has its own test; here only the training step of each strategy.
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     run, student, teacher, results = dino_train.train(tiny_cfg(tmp_path, f"dino.local_crops={strategy}",
                                                                  f"dino.augment={augment}", "epochs=1"))
     assert results["local_crops"] == strategy
@@ -218,7 +218,7 @@ def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypa
 
     def online_knn(*args, keep_features=False, **kwargs):
         asked.append(keep_features)   # the grid reuses the k-NN's own features, extracted once
-        out = {"knn_top1": 50.0, "knn_top5": 90.0}
+        out = {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20}
         return {**out, "features": data, "datasets": sets} if keep_features else out
 
     class FakeRun:
