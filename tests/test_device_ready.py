@@ -295,7 +295,7 @@ def test_dino_knn_extracts_in_fp32_when_asked(tmp_path, monkeypatch):
     from resmlp.ssl import train as dino_train
     seen = []
     monkeypatch.setattr(knn, "online_knn", lambda *a, **k: seen.append(k["amp_dtype"]) or
-                        {"knn_top1": 50.0, "knn_top5": 90.0})
+                        {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "precision=fp32", f"out={tmp_path}"])
     dino_train.train(cfg)
     assert seen == [torch.float32]
