@@ -80,6 +80,22 @@ ensure_fashion_mnist() {
   fi
 }
 
+# `campaign` on a bare GPU machine (README "Measuring on a GPU"): the pure-Python wheels its
+# python3 lacks come carried in .whl/ and Fashion-MNIST in .fmnist/ (`bash run.sh
+# campaign-carry` makes both); the call's clock starts here, set-up included.
+campaign_setup() {
+  export RESMLP_CAMPAIGN_STARTED="${RESMLP_CAMPAIGN_STARTED:-$(date +%s)}"
+  local py="${RESMLP_PYTHON:-python3}" site="${TMPDIR:-/tmp}/resmlp-wheels"
+  if [ -d "$ROOT/.whl" ] && ! deps_import "$py"; then
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    deps_import "$py" || "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$ROOT"/.whl/*.whl >&2 || { say "could not install .whl/*.whl into $site with $py"; exit 2; }
+  fi
+  if ls "$ROOT"/.fmnist/*-ubyte.gz >/dev/null 2>&1; then
+    export RESMLP_FMNIST_SEARCH="$ROOT/.fmnist${RESMLP_FMNIST_SEARCH:+:$RESMLP_FMNIST_SEARCH}"
+  fi
+}
+
 # OpenMP threads that spin while waiting steal the cores from data-loader workers and
 # other processes: on a busy 2-core machine a CPU DINO step ran 4x slower. Sleep instead.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
@@ -87,10 +103,25 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 cmd="${1:-help}"
 case "$cmd" in
   help|-h|--help) choose_python; exec "$PY" -m resmlp.core.cli help ;;
+  campaign) campaign_setup ;;
+  campaign-carry)
+    # Here, online: the three wheels and the four Fashion-MNIST files a GPU machine gets by
+    # `carry: [".whl", ".fmnist"]` (both ignored by git; about 30 MB).
+    mkdir -p .whl .fmnist
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl omegaconf==2.3.1 lightly==1.6.0
+    python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # an sdist on PyPI: pure Python
+    fmnist="${RESMLP_FMNIST_DIR:-/usr/share/datasets/fashion-mnist}"
+    cp "$fmnist"/*-ubyte.gz .fmnist/ || { say "no Fashion-MNIST .gz files in $fmnist: set RESMLP_FMNIST_DIR"; exit 2; }
+    ls -l .whl .fmnist >&2
+    exit 0 ;;
   test)
     shift; choose_python
     ensure_fashion_mnist
-    set +e; "$PY" -m pytest tests -q "$@"; rc=$?; set -e
+    # the whole suite, unless the arguments name test files or folders themselves
+    where=tests; for a in "$@"; do case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && where= ;; esac; done
+    set +e; "$PY" -m pytest $where -q "$@"; rc=$?; set -e
     [ "$rc" = 5 ] && { say "pytest collected no tests"; exit 1; }
     exit "$rc" ;;
 esac

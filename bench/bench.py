@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from resmlp.bench import rows as R
-from resmlp.core import dist
+from resmlp.core import dist, preempt
 from resmlp.core.config import as_list, to_dict
-from resmlp.core.errors import UserError
+from resmlp.core.errors import PREEMPTED_EXIT, UserError
 
 PROFILES = ("auto", "gpu", "cpu", "tiny")
 FAMILIES = {"dino": R.dino_family, "e2e": R.e2e_family, "inference": R.inference_family,
@@ -52,17 +52,33 @@ class Context:
     results: list = field(default_factory=list)
     deadline: float | None = None      # time.perf_counter() after which lines are skipped
     on_row: object = None              # called after each line (writes the partial bench.json)
+    previous: dict = field(default_factory=dict)  # line key -> its row from an earlier run (bench.resume)
+    run: int = 1                       # this run's number in <out>/bench.json (bench.resume counts on)
+    left: int = 0                      # lines left for the time limit or a stop signal
 
     def inference_models(self) -> list:
         return self.models if self.explicit_models else list(self.p.inference.models)
 
-    def attempt(self, family: str, ident: dict, fn) -> dict:
-        """Run fn() -> fields; record a line with status ok / skipped / error."""
+    def attempt(self, family: str, ident: dict, fn, restorable: bool = True) -> dict:
+        """Run fn() -> fields; record a line with status ok / skipped / error. A line an
+        earlier run measured (bench.resume) is taken from it instead, unless it only sets
+        up what later lines use in this process (restorable=False, e.g. writing files)."""
+        key = line_key(family, ident)
+        if restorable and key in self.previous:
+            row = self.previous.pop(key)
+            self.results.append(row)
+            print(f"[bench] {progress_line(row)} (run {row.get('run', 1)})", flush=True)
+            return row
         t0 = time.perf_counter()
         try:
+            if preempt.requested():
+                raise Left(f"stopped by {preempt.received()} before this line")
             if self.deadline is not None and t0 > self.deadline:
-                raise R.Skip("bench.time_limit_s reached before this line")
+                raise Left("bench.time_limit_s reached before this line")
             row = {"row": family, **ident, "status": "ok", **(fn() or {})}
+        except Left as e:
+            row = {"row": family, **ident, "status": "skipped", "reason": str(e), "left": True}
+            self.left += 1
         except R.Skip as e:
             row = {"row": family, **ident, "status": "skipped", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - one line fails, the bench goes on
@@ -70,12 +86,21 @@ class Context:
             msg = " ".join(str(e).split())[:300]
             row = {"row": family, **ident, "status": "error", "error": f"{type(e).__name__}: {msg}"}
             R.reset_memory(self.device)
-        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        row.update(wall_s=round(time.perf_counter() - t0, 2), run=self.run, key=key)
         self.results.append(row)
         print(f"[bench] {progress_line(row)}", flush=True)
         if self.on_row is not None:
             self.on_row()
         return row
+
+
+class Left(Exception):
+    """A line not measured for lack of time (bench.time_limit_s, a stop signal): with
+    bench.resume=true the next run measures it."""
+
+
+def line_key(family: str, ident: dict) -> str:
+    return json.dumps([family, ident], sort_keys=True, default=str)
 
 
 def progress_line(row: dict) -> str:
@@ -163,13 +188,14 @@ def _ok(results, family, **match):
 
 
 def add_ratios(results: list) -> None:
-    """vs_ref on dino lines (same model and strategy), vs_timm on inference lines,
+    """vs_ref on dino lines (same model, batch and strategy), vs_timm on inference lines,
     vs_lightly on augmentation lines."""
     for r in _ok(results, "dino"):
-        if r["impl"] != "reference":
-            ref = _ok(results, "dino", model=r["model"], strategy=r["strategy"], impl="reference")
+        if r["impl"] != "reference" and "images_per_s" in r:
+            same = {"model": r["model"], "batch": r.get("batch")}
+            ref = _ok(results, "dino", strategy=r["strategy"], impl="reference", **same)
             r["vs_ref"] = r["images_per_s"] / ref[0]["images_per_s"] if ref else None
-            resize = _ok(results, "dino", model=r["model"], strategy="resize", impl="reference")
+            resize = _ok(results, "dino", strategy="resize", impl="reference", **same)
             r["vs_ref_resize"] = r["images_per_s"] / resize[0]["images_per_s"] if resize else None
     for r in _ok(results, "inference"):
         if "images_per_s" in r:
@@ -197,14 +223,15 @@ def summarize(results: list, device: torch.device) -> list[dict]:
         ours = [r for r in _ok(results, "dino", model=model) if r["impl"] != "reference" and r.get("vs_ref")]
         if ours:
             best = max(ours, key=lambda r: r["vs_ref"])
-            each = ", ".join(f"{r['strategy']} {r['impl'].split()[-1]} {r['vs_ref']:.2f}x" for r in ours)
-            line(f"dino step, ours vs reference loop, {model} (best: {best['strategy']}, {best['impl']})",
-                 best["vs_ref"], GOALS["dino_vs_reference"], "higher", ".2f", f"; {each}")
+            each = ", ".join(f"{r['strategy']} {r['impl'].split()[-1]} b{r.get('batch')} {r['vs_ref']:.2f}x"
+                             for r in ours)
+            line(f"dino step, ours vs reference loop, {model} (best: {best['strategy']}, {best['impl']}, "
+                 f"batch {best.get('batch')})", best["vs_ref"], GOALS["dino_vs_reference"], "higher", ".2f", f"; {each}")
         pct = [r for r in _ok(results, "dino", model=model) if r["impl"] != "reference" and r.get("pct_peak")]
         if pct:
             best = max(pct, key=lambda r: r["pct_peak"])
-            line(f"dino step, % of measured matmul peak, {model} (best: {best['strategy']}, {best['impl']})",
-                 best["pct_peak"], GOALS["pct_of_peak"], "higher", ".1f")
+            line(f"dino step, % of measured matmul peak, {model} (best: {best['strategy']}, {best['impl']}, "
+                 f"batch {best.get('batch')})", best["pct_peak"], GOALS["pct_of_peak"], "higher", ".1f")
     for r in _ok(results, "e2e"):
         if r.get("vs_synthetic") is not None:
             line(f"end-to-end from JPEGs vs synthetic input, {r['path']} ({r['workers']} workers)",
@@ -224,7 +251,7 @@ def summarize(results: list, device: torch.device) -> list[dict]:
                 line("the same vs the reference DINO transform on the same files and core",
                      r["vs_reference"], GOALS["loader_vs_reference"], "higher", ".1f", cpu_goal=True)
     for r in _ok(results, "knn"):
-        if r["backend"] in ("torch", "faiss-gpu") and r.get("device") == device.type:
+        if r["backend"] in ("torch", "torch-device", "faiss-gpu") and r.get("device") == device.type:
             line(f"k-NN {r['backend']} on {r['device']}, {r['n_train']} x {r['dim']}, k={r['k']}, "
                  f"seconds for all queries", r["seconds_full"], GOALS["knn_seconds"], "lower", ".2f")
     return lines
@@ -337,6 +364,10 @@ def render(results: list, summary: list, meta: dict, profile: str) -> str:
 
 # --------------------------------------------------------------------------- entry
 
+def results_dir(cfg) -> Path:
+    return Path(cfg.out).expanduser() if cfg.out else Path("runs") / "bench"
+
+
 def bench(cfg) -> dict:
     """Run the configured rows; return the report (also written to <out>/bench.json)."""
     profile, device = choose(cfg)
@@ -350,7 +381,7 @@ def bench(cfg) -> dict:
     bad = [m for m in models if m not in list_models()]
     if bad:
         raise UserError(f"the bench measures the ResMLP presets ({', '.join(list_models())}), not {bad}")
-    out_dir = Path(cfg.out).expanduser() if cfg.out else Path("runs") / "bench"
+    out_dir = results_dir(cfg)
     torch.manual_seed(int(cfg.seed))
     # As the trainer (core.engine.Run) and DINO's main_dino.py do, for ours and the reference alike.
     torch.backends.cudnn.benchmark = device.type == "cuda"
@@ -379,11 +410,13 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
     if cfg.bench.time_limit_s:
         ctx.deadline = t0 + float(cfg.bench.time_limit_s)
     out_dir.mkdir(parents=True, exist_ok=True)
+    done = resume(cfg, ctx, out_dir / "bench.json", profile, families, models)
 
     def write(summary=None):
         report = {"meta": meta, "profile": profile, "settings": to_dict(p), "rows_requested": families,
                   "models": models, "wall_s": round(time.perf_counter() - t0, 1), "goals": GOALS,
-                  "complete": summary is not None, "summary": summary or [], "rows": ctx.results}
+                  "complete": summary is not None, "runs": ctx.run, "left": ctx.left, "families_done": done,
+                  "summary": summary or [], "rows": ctx.results}
         tmp = out_dir / "bench.json.tmp"
         with open(tmp, "w") as f:
             json.dump(report, f, indent=2, default=str)
@@ -391,13 +424,18 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
         return report
     ctx.on_row = write
     for family in ["peak", *families]:
+        if family in done:  # every line of it measured by an earlier run (bench.resume)
+            continue
         fn = R.peak_family if family == "peak" else FAMILIES[family]
+        left_before = ctx.left
         try:
             fn(ctx)
         except Exception as e:  # noqa: BLE001 - a family that breaks before its lines
             traceback.print_exc(file=sys.stderr)
-            ctx.results.append({"row": family, "impl": "(setup)", "status": "error",
+            ctx.results.append({"row": family, "impl": "(setup)", "status": "error", "run": ctx.run,
                                 "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+        if ctx.left == left_before:
+            done.append(family)
     add_ratios(ctx.results)
     summary = summarize(ctx.results, device)
     report = write(summary)
@@ -407,8 +445,47 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
     return report
 
 
+def resume(cfg, ctx: Context, path: Path, profile: str, families: list, models: list) -> list:
+    """bench.resume=true: the lines an earlier run with the same settings measured are kept
+    (ctx.previous; whole families at once) and only the rest are measured. Returns the
+    families already done."""
+    if not cfg.bench.resume or not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"bench.resume=true cannot read {path} ({e}); delete it or pass bench.resume=false") from None
+    now = {"profile": profile, "settings": to_dict(ctx.p), "rows_requested": families, "models": models}
+    changed = [k for k, v in now.items() if json.dumps(old.get(k), sort_keys=True, default=str)
+               != json.dumps(v, sort_keys=True, default=str)]
+    if changed:
+        raise UserError(f"{path} was measured with other {', '.join(changed)}: pass the same settings to resume "
+                        "it, or bench.resume=false (or out=<another dir>) to start again")
+    ctx.run = int(old.get("runs", 1)) + 1
+    done = [f for f in old.get("families_done", []) if f in ("peak", *families)]
+    for row in old.get("rows", []):
+        if row["row"] in done:
+            ctx.results.append(row)
+        elif "key" in row and not row.get("left"):
+            ctx.previous[row["key"]] = row
+    if "peak" in done:
+        ctx.peak_tflops = next((r["tflops"] for r in ctx.results if r["row"] == "peak" and r["status"] == "ok"),
+                               None)
+    print(f"bench: resuming {path} (run {ctx.run}): {len(ctx.results) + len(ctx.previous)} line(s) measured "
+          f"before, families done: {', '.join(done) or 'none'}", flush=True)
+    return done
+
+
 def run(cfg) -> int:
-    report = bench(cfg)
+    """Exit 0: every line measured; 1: some failed; 75 (PREEMPTED_EXIT): lines were left for
+    bench.time_limit_s or a stop signal (SIGTERM / SIGUSR1 end the run after the current
+    line), which the same command with bench.resume=true measures next."""
+    with preempt.watch():
+        report = bench(cfg)
+    if report["left"]:
+        print(f"bench: {report['left']} line(s) left for lack of time: run the same command with "
+              "bench.resume=true to measure them", file=sys.stderr)
+        return PREEMPTED_EXIT
     failed = sum(r["status"] == "error" for r in report["rows"])
     if failed:
         print(f"error: {failed} benchmark line(s) failed (see the table)", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 The benchmark (bench.py) says how fast; this says why. For one DINO config (the
 Fashion-MNIST preset by default; any `dino` command override works, e.g.
-`data=imagefolder data.img_size=224 model.patch_size=16 dino.local_size=96`) it times
+`data=imagefolder data.img_size=224 model.patch_size=16 data.local_size=96`) it times
 each phase of the trainer's iteration alone, at the trainer's batch:
 
   loader      the trainer's DataLoader (workers decode and collate), no device work
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from resmlp.data.gpu_augment import GpuMultiCrop
     from resmlp.data.resumable import build_train_loader
     from resmlp.bench import rows as R
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -179,9 +179,9 @@ def timm_name(dims: dict) -> str:
     return f"timm MlpMixer-ResMLP d{dims['dim']}x{dims['depth']}"
 
 
-def build_reference_networks(cfg, device: torch.device, backbone: str = "timm"):
+def build_reference_networks(cfg, plan, device: torch.device, backbone: str = "timm"):
     """Student and teacher for RefDinoStep from a dino config: timm's ResMLP (or ours with
-    cfg.dino.local_crops' grid adaptation, backbone='ours') + the trainer's head."""
+    the crop plan's grid adaptation, backbone='ours') + the trainer's head."""
     from resmlp.models.from_config import build_model
     from resmlp.ssl.head import build_head
 
@@ -190,8 +190,8 @@ def build_reference_networks(cfg, device: torch.device, backbone: str = "timm"):
             bb = timm_resmlp(model_dims(cfg.model, cfg.data.img_size), drop_path)
         else:
             bb = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": drop_path}), num_classes=0)
-            if cfg.dino.local_crops in ("interpolate", "subgrid"):
-                bb.grid_adapt = cfg.dino.local_crops
+            if plan.grid_adapt != "none":
+                bb.grid_adapt = plan.grid_adapt
         return RefMultiCrop(bb, build_head(bb.num_features, cfg.dino))
 
     student = one(float(cfg.model.drop_path_rate)).to(device)

@@ -5,11 +5,14 @@ config and turns a UserError into one line on stderr with exit code 2.
 """
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 from dataclasses import dataclass, field
 
-from resmlp.core.errors import PREEMPTED_EXIT, Preempted, RunFailed, UserError
+from resmlp.core.checkpoint import check_writable, saved_config
+from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
 
 
 @dataclass(frozen=True)
@@ -18,27 +21,59 @@ class Command:
     help: str
     positional: str = ""   # "model", "checkpoint" or "" (what the word after the command is)
     aliases: dict = field(default_factory=dict)  # short override names, e.g. T -> knn.temperature
+    # "module:function": cfg -> the directory the command writes into (None: nothing to write),
+    # tried before the command runs so that an unwritable one fails before any work
+    writes: str = ""
+    # config sections or keys the command does not read, and why (an evaluator's model comes
+    # from its checkpoint): naming one on the command line is an error, not a silent no-op
+    ignores: dict = field(default_factory=dict)
 
+
+RUN_DIR = "resmlp.core.engine:run_dir"
+# What the evaluators take from their checkpoint rather than from these keys.
+FROM_CHECKPOINT = {"model": "its network is the checkpoint's, built from the weights"}
+NO_KNN = {"knn": "it runs no k-NN"}
+# What the supervised trainers never read: they report top-1 on the test split.
+NO_FEATURES = {**NO_KNN, "features": "it extracts no frozen features"}
+NO_FEATURE_FILES = {f"features.{k}": "it writes no feature cache and takes the network from training"
+                    for k in ("key", "cache", "cache_dir", "pretrained")}
 
 COMMANDS = {
-    "dino": Command("resmlp.ssl.train:run", "DINO self-supervised pretraining", "model"),
+    "dino": Command("resmlp.ssl.train:run", "DINO self-supervised pretraining", "model", writes=RUN_DIR,
+                    ignores=NO_FEATURE_FILES),
     "knn": Command("resmlp.eval.knn:run", "k-NN accuracy of frozen features", "checkpoint",
-                   {"k": "knn.k", "T": "knn.temperature", "key": "features.key"}),
+                   {"k": "knn.k", "T": "knn.temperature", "key": "features.key"},
+                   writes="resmlp.eval.command:results_dir", ignores=FROM_CHECKPOINT),
     "linear": Command("resmlp.eval.linear:run", "linear probe on frozen features", "checkpoint",
-                      {"key": "features.key"}),
-    "viz": Command("resmlp.eval.viz:run", "the paper's figures: cross-patch weights, sparsity, curves",
-                   "checkpoint", {"key": "features.key"}),
-    "supervised": Command("resmlp.supervised.train:run", "supervised training from scratch", "model"),
+                      {"key": "features.key"}, writes="resmlp.eval.command:results_dir",
+                      ignores={**FROM_CHECKPOINT, **NO_KNN}),
+    "viz": Command("resmlp.eval.viz:run", "figures: cross-patch weights, sparsity, curves, neighbours, "
+                   "patch PCA", "checkpoint", {"key": "features.key", "k": "viz.k"},
+                   writes="resmlp.eval.viz:results_dir", ignores={**FROM_CHECKPOINT, "knn.k": "its k is viz.k (k=)",
+                            "knn.temperature": "the neighbours grid has no votes to weigh"}),
+    "supervised": Command("resmlp.supervised.train:run", "supervised training from scratch", "model",
+                          writes=RUN_DIR, ignores=NO_FEATURES),
     "distill": Command("resmlp.supervised.train:run", "DeiT hard (or soft) distillation from a teacher",
-                       "model", {"teacher": "distill.teacher"}),
+                       "model", {"teacher": "distill.teacher"}, writes=RUN_DIR, ignores=NO_FEATURES),
     "finetune": Command("resmlp.supervised.train:run", "supervised fine-tuning of a DINO checkpoint",
-                        "checkpoint"),
-    "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model"),
-    "export": Command("resmlp.models.checkpoints:run", "a backbone for timm / the official code / safetensors",
-                      "checkpoint", {"format": "export.format", "key": "features.key"}),
-    "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)"),
-    "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model"),
+                        "checkpoint", writes=RUN_DIR, ignores=NO_FEATURES),
+    "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model",
+                       writes="resmlp.supervised.compare:compare_dir", ignores=NO_FEATURES),
+    "export": Command("resmlp.eval.export:run", "a backbone for timm / the official code / safetensors",
+                      "checkpoint", {"format": "export.format", "key": "features.key"},
+                      writes="resmlp.eval.export:results_dir",
+                      ignores={**FROM_CHECKPOINT, **NO_KNN, **{f"features.{k}": "it extracts no features"
+                                                               for k in ("batch_size", "cache", "cache_dir")}}),
+    "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)",
+                    writes="resmlp.data.inspect:results_dir", ignores=NO_FEATURES),
+    "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model",
+                     writes="resmlp.bench.bench:results_dir", ignores=NO_FEATURES),
+    "campaign": Command("resmlp.bench.campaign:run", "the whole GPU measurement, one resumable call after another",
+                        writes="resmlp.bench.campaign:results_dir", ignores=NO_FEATURES),
 }
+
+
+FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 def usage() -> str:
@@ -46,7 +81,9 @@ def usage() -> str:
     for name, c in COMMANDS.items():
         arg = f" <{c.positional}>" if c.positional else ""
         lines.append(f"  {name + arg:<24} {c.help}")
-    lines += [f"  {'test':<24} run the test suite (pytest)", f"  {'help':<24} this text", "",
+    lines += [f"  {'test':<24} run the test suite (pytest)",
+              f"  {'campaign-carry':<24} make .whl/ and .fmnist/: what a bare GPU machine needs for campaign",
+              f"  {'help':<24} this text", "",
               "models: " + ", ".join(model_names()),
               "examples:",
               "  bash run.sh dino resmlp_s12                       # Fashion-MNIST, the default data",
@@ -85,19 +122,14 @@ def expand_aliases(args: list[str], aliases: dict) -> list[str]:
     return out
 
 
-def saved_config(checkpoint: str) -> dict | None:
-    """The config a project checkpoint or run dir was trained with, if any."""
-    from pathlib import Path
-    if checkpoint.startswith("timm:"):
-        return None
-    path = Path(checkpoint).expanduser()
-    if path.is_dir() and (path / "config.yaml").exists():
-        from omegaconf import OmegaConf
-        return OmegaConf.to_container(OmegaConf.load(path / "config.yaml"))
-    from resmlp.core.checkpoint import load_checkpoint
-    ckpt = load_checkpoint(path)
-    cfg = ckpt.get("config")
-    return cfg if isinstance(cfg, dict) else None
+def check_read(name: str, cmd: Command, overrides: list[str]) -> None:
+    """An override the command would not read is refused: it would be saved into the
+    command's config and reports as if it had taken effect."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+")
+        for section, why in cmd.ignores.items():
+            if key == section or key.startswith(section + "."):
+                raise UserError(f"`{name}` does not read {key} ({why}); drop {o}")
 
 
 def build(argv: list[str]):
@@ -113,6 +145,7 @@ def build(argv: list[str]):
     if cmd.positional and rest and "=" not in rest[0]:
         positional, rest = rest[0], rest[1:]
     rest = expand_aliases(rest, cmd.aliases)
+    check_read(name, cmd, rest)
     model, base, extra = None, None, []
     if cmd.positional == "model":
         model = positional or next((a.split("=", 1)[1] for a in rest if a.startswith("model=")), None)
@@ -130,12 +163,24 @@ def build(argv: list[str]):
     return cmd, load_config(name, model, [*extra, *rest], base=base)
 
 
+def check_writes(name: str, cmd: Command, cfg) -> None:
+    """The directory the command writes into can be written, before the command does any
+    work (one process tries: under torchrun the others would race its clean-up)."""
+    if not cmd.writes or int(os.environ.get("RANK", "0")) != 0:
+        return
+    module, func = cmd.writes.split(":")
+    directory = getattr(importlib.import_module(module), func)(cfg)
+    if directory is not None:
+        check_writable(directory, f"the outputs of `{name}`",
+                       "choose another out=" if cfg.out else "pass out=<a directory you can write>")
+
+
 def launch(cfg, argv: list[str]) -> int:
     """launcher=slurm: submit the command line as a job instead of running it here."""
     if cfg.launcher != "slurm":
         raise UserError(f"launcher={cfg.launcher!r} is not one of local, slurm")
     from resmlp.core.slurm import submit
-    submit(cfg, argv)
+    submit(cfg, argv, main)
     return 0
 
 
@@ -163,6 +208,7 @@ def main(argv: list[str] | None = None, run=None) -> int:
         if cmd is None:
             print(usage())
             return 0
+        check_writes(argv[0], cmd, cfg)
         if cfg.launcher != "local":
             return launch(cfg, argv)
         if run is None:
@@ -174,12 +220,21 @@ def main(argv: list[str] | None = None, run=None) -> int:
                     raise UserError(f"command {argv[0]!r} is not available in this version") from None
                 raise
         return int(run(cfg) or 0)
+    except Finished as e:
+        print(e, flush=True)
+        return 0
     except Preempted as e:
         if str(e):  # rank 0's; the other ranks stop quietly
             print(e, file=sys.stderr)
         return PREEMPTED_EXIT
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a write outside atomic_write (a figure, a log line) the disk refused
+        if e.errno not in FULL_OR_READ_ONLY:
+            raise
+        print(f"error: cannot write {e.filename or 'a file'}: {e.strerror}; free some space or choose another "
+              "out=, then run again", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -9,6 +9,12 @@ Merge order, later wins:
     command-line overrides
 The merged config is in struct mode: a misspelled key is an error that names it.
 `data=<name>` on the command line picks the dataset file (it is short for data.name).
+
+Two sections of defaults.yaml and of each method file are not config keys but what the
+file says about its keys; they are taken out before anything else reads the config:
+    limits:   key -> the numbers it may hold (a `Limit` kind or fields, see LIMIT_KINDS)
+    moved:    old key -> the key that replaced it (naming the old one is an error)
+A method file's sections add to those of the method it extends and of defaults.yaml.
 """
 from __future__ import annotations
 
@@ -100,6 +106,7 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     # New keys may come from method files (their own sections); struct mode starts once
     # every file is in.
     cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
+    limits, moved = _take_rules(cfg, command)
     data = data or cfg.data.name
     data_file = CONFIG_DIR / "data" / f"{data}.yaml"
     if not data_file.exists():
@@ -122,10 +129,14 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
 
     OmegaConf.set_struct(cfg, True)
     cfg.demo = _demo_wanted(cfg, rest)
+    from_demo = len(cfg.demo_overrides) if cfg.demo else 0
     if cfg.demo:
         rest = [*cfg.demo_overrides, *rest]  # the command line still wins
-    for o in rest:
+    origin: dict = {}  # key -> where the value it holds now came from (for the messages)
+    for i, o in enumerate(rest):
         key = _key_of(o)
+        if key in moved:
+            raise UserError(f"{key} is now {moved[key]}: pass {moved[key]}={o.split('=', 1)[1]}")
         before = OmegaConf.select(cfg, key, default=None)
         try:
             cfg.merge_with_dotlist([o])
@@ -133,13 +144,18 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
             if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
                 raise UserError(f"unknown config key {key!r}{_valid_keys_hint(cfg, key)}") from None
             raise UserError(f"bad value in {o!r}: {str(e).splitlines()[0]}") from None
-        _check_type(key, before, OmegaConf.select(cfg, key))
+        saved = base is not None and key.split(".")[0] in ("model", "data")  # carried over from the run
+        _check_type(key, before, OmegaConf.select(cfg, key),
+                    origin.get(key, f"the checkpoint's config has {before}" if saved else f"the default is {before}"),
+                    limits.get(key))
+        origin[key] = f"the CPU demo's demo_overrides set {o}" if i < from_demo else \
+            f"{o} came earlier on the command line"
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise UserError(f"config error: {str(e).splitlines()[0]}") from None
     _check_missing(cfg)
-    check_values(cfg)
+    check_values(cfg, limits)
     return cfg
 
 
@@ -171,45 +187,65 @@ class Limit:
             text = f"{kind} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
         return text + (" (or null)" if self.null else "")
 
+    @classmethod
+    def from_spec(cls, spec, where: str) -> "Limit | Choice":
+        """A limit as the YAML files write it: a kind's name (LIMIT_KINDS) or its fields,
+        e.g. {min: 0, max: 1}, {above: 0, nullable: true}, {min: 1, whole: true}; or the
+        list of the words a key may hold, e.g. [auto, never]."""
+        if isinstance(spec, str) and spec in LIMIT_KINDS:
+            return LIMIT_KINDS[spec]
+        if isinstance(spec, (list, ListConfig)) and spec:
+            return Choice(tuple(spec))
+        fields = dict(spec) if isinstance(spec, (dict, DictConfig)) else None
+        if fields is None or not fields.keys() <= {"min", "above", "max", "below", "whole", "nullable"} \
+                or ("min" in fields) == ("above" in fields) or ("max" in fields and "below" in fields):
+            raise UserError(f"{where}: {spec!r} is not a limit; use one of {', '.join(LIMIT_KINDS)}, fields "
+                            "{min | above: n, max | below: n, whole: true, nullable: true} or a list of words")
+        high = fields.get("max", fields.get("below"))
+        return cls(float(fields.get("min", fields.get("above"))), None if high is None else float(high),
+                   whole=bool(fields.get("whole", False)), open_low="above" in fields, open_high="below" in fields,
+                   null=bool(fields.get("nullable", False)))
 
-COUNT, SOME, SIZE = Limit(0, whole=True), Limit(1, whole=True), Limit(1, whole=True, null=True)
-POSITIVE, NONNEGATIVE, FRACTION = Limit(0, open_low=True), Limit(0), Limit(0, 1)
-BELOW_ONE = Limit(0, 1, open_high=True)
 
-# Every numeric key a user may set, and what it must be: checked once the config is built,
-# so that a bad value is one line before anything runs (not a traceback deep inside torch).
-# Lists (knn.k) are checked element by element. A key a command does not have is skipped.
-LIMITS = {
-    "epochs": SOME, "batch_size": SOME, "seed": COUNT, "num_workers": COUNT, "log_every": SOME,
-    "ckpt_every": COUNT, "eval_every": COUNT, "eval_batch_size": SOME, "eval_limit": SIZE,
-    "model.patch_size": SOME, "model.dim": SIZE, "model.depth": SIZE, "model.drop_path_rate": BELOW_ONE,
-    "data.img_size": SOME, "data.local_size": SOME, "data.subset": SIZE,
-    "data.crop_ratio": Limit(0, 1, open_low=True),
-    "knn.k": SOME, "knn.temperature": POSITIVE, "knn.chunk_size": SIZE, "features.batch_size": SOME,
-    "optim.lr": POSITIVE, "optim.min_lr": NONNEGATIVE, "optim.warmup_epochs": NONNEGATIVE,
-    "optim.warmup_lr": NONNEGATIVE, "optim.weight_decay": NONNEGATIVE, "optim.weight_decay_end": NONNEGATIVE,
-    "optim.clip_grad": NONNEGATIVE, "optim.lr_batch": SOME, "optim.momentum": FRACTION,
-    "dino.out_dim": SOME, "dino.hidden_dim": SOME, "dino.bottleneck_dim": SOME, "dino.n_local_crops": COUNT,
-    "dino.local_size": SOME, "dino.student_temp": POSITIVE, "dino.teacher_temp": POSITIVE,
-    "dino.warmup_teacher_temp": POSITIVE, "dino.warmup_teacher_temp_epochs": COUNT,
-    "dino.freeze_last_layer": NONNEGATIVE, "dino.momentum_teacher": FRACTION, "dino.center_momentum": FRACTION,
-    "dino.koleo_weight": NONNEGATIVE, "dino.collapse_kl": Limit(0, null=True), "dino.collapse_patience": SOME,
-    "aug.repeats": SOME, "aug.hflip": FRACTION, "aug.color_jitter": NONNEGATIVE, "aug.re_prob": FRACTION,
-    "aug.re_count": COUNT, "aug.smoothing": BELOW_ONE, "aug.mixup": NONNEGATIVE, "aug.cutmix": NONNEGATIVE,
-    "aug.mixup_prob": FRACTION, "aug.mixup_switch_prob": FRACTION, "ema.decay": FRACTION,
-    "finetune.layer_decay": Limit(0, 1, open_low=True), "distill.alpha": FRACTION, "distill.tau": POSITIVE,
-    "linear.epochs": SOME, "linear.batch_size": SOME, "linear.n_last_blocks": SOME,
-    "linear.weight_decay": NONNEGATIVE, "linear.momentum": FRACTION, "viz.threshold": FRACTION, "viz.dpi": SOME,
-    **{f"compare.epochs.{k}": SOME for k in ("teacher", "supervised", "distill", "dino", "linear", "finetune")},
-    "slurm.nodes": SOME, "slurm.gpus_per_node": COUNT, "slurm.tasks_per_node": SIZE,
-    "slurm.cpus_per_task": SIZE, "slurm.mem_gb": Limit(0, open_low=True, null=True),
-    "slurm.signal_delay_s": SOME, "slurm.max_timeouts": COUNT,
+@dataclass(frozen=True)
+class Choice:
+    """The words a key may hold (a list in a `limits:` section; null among them if allowed)."""
+    words: tuple
+
+    def allows(self, v) -> bool:
+        return any(v == w and type(v) is type(w) or v is w for w in self.words)
+
+    def describe(self) -> str:
+        return "one of " + ", ".join("null" if w is None else str(w).lower() if isinstance(w, bool) else str(w)
+                                     for w in self.words)
+
+
+# The kinds of number the `limits:` sections name most often.
+LIMIT_KINDS = {
+    "count": Limit(0, whole=True),                # 0, 1, 2, ...
+    "some": Limit(1, whole=True),                 # 1, 2, ...
+    "size": Limit(1, whole=True, null=True),      # 1, 2, ... or null (all / automatic)
+    "positive": Limit(0, open_low=True),
+    "nonnegative": Limit(0),
+    "fraction": Limit(0, 1),
+    "below_one": Limit(0, 1, open_high=True),
 }
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Numbers within their LIMITS, and `out` not an existing file; UserError otherwise."""
-    for key, limit in LIMITS.items():
+def _take_rules(cfg: DictConfig, command: str) -> tuple[dict, dict]:
+    """Take the `limits:` and `moved:` sections out of the merged files: ({key: Limit},
+    {old key: new key}). Limits are checked once the config is built, so that a bad value
+    is one line before anything runs (not a traceback deep inside torch); a list (knn.k) is
+    checked element by element, and a key the command does not have is skipped."""
+    where = f"configs/defaults.yaml or configs/method/{command}.yaml"
+    limits = {str(k): Limit.from_spec(v, f"{where}, limits.{k}") for k, v in (cfg.pop("limits", None) or {}).items()}
+    moved = {str(k): str(v) for k, v in (cfg.pop("moved", None) or {}).items()}
+    return limits, moved
+
+
+def check_values(cfg: DictConfig, limits: dict) -> None:
+    """Values within their `limits` ({key: Limit or Choice}); UserError otherwise."""
+    for key, limit in limits.items():
         value = OmegaConf.select(cfg, key, default="<missing>")
         if isinstance(value, str) and value == "<missing>":
             continue
@@ -218,17 +254,17 @@ def check_values(cfg: DictConfig) -> None:
             if not limit.allows(v):
                 raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
                                 f"{limit.describe()}")
-    out = OmegaConf.select(cfg, "out", default=None)
-    if out and Path(str(out)).expanduser().exists() and not Path(str(out)).expanduser().is_dir():
-        raise UserError(f"out={out} is an existing file; out= names a directory for the run's outputs")
 
 
 def _show(value) -> str:
     return str(list(value)) if isinstance(value, ListConfig) else str(value)
 
 
-def _check_type(key: str, before, after) -> None:
-    """Untyped YAML accepts anything: keep numbers numbers and flags flags."""
+def _check_type(key: str, before, after, origin: str, limit=None) -> None:
+    """Untyped YAML accepts anything: keep numbers numbers and flags flags (null too where
+    the key's limit allows it). `origin` says where `before` came from."""
+    if after is None and limit is not None and limit.allows(None):
+        return
     def kind(v):
         if isinstance(v, bool):
             return "true/false"
@@ -239,7 +275,7 @@ def _check_type(key: str, before, after) -> None:
         return None
     want = kind(before)
     if want and kind(after) != want and not (want == "a list" and after is not None):
-        raise UserError(f"{key}={after!r} should be {want} (the default is {before})")
+        raise UserError(f"{key}={after!r} should be {want} ({origin})")
 
 
 def _demo_wanted(cfg: DictConfig, overrides: list[str]) -> bool:

@@ -33,6 +33,11 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def share(batch_size: int) -> int:
+    """This process's part of a global batch (at least 1): every `batch_size` key is global."""
+    return max(1, int(batch_size) // world_size())
+
+
 def cpu_cores() -> int:
     """CPU cores this process may run on (its affinity mask, e.g. a Slurm or container limit)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

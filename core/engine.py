@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import signal
@@ -34,8 +33,9 @@ from resmlp.core import dist, preempt
 from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, load_checkpoint, rng_state, save_checkpoint,
                                     set_rng_state)
 from resmlp.core.config import save_config, to_dict
-from resmlp.core.errors import Preempted, RunFailed, UserError
+from resmlp.core.errors import Finished, Preempted, RunFailed, UserError
 from resmlp.core.lock import RunLock, release_all
+from resmlp.core.report import write_json
 
 # Fault injection for the resume tests: the process kills itself after this iteration.
 KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
@@ -85,14 +85,37 @@ class JsonlLogger:
     def __init__(self, directory: Path | None):
         self.file = None
         self.tb = None
+        self.directory = directory
         if directory is None:
             return
         self.file = open(directory / "log.jsonl", "a", buffering=1)
+        self._open_tb()
+
+    def _open_tb(self, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(directory / "tb"))
+            self.tb = SummaryWriter(str(self.directory / "tb"), purge_step=purge_step)
         except ImportError:  # TensorBoard is optional at run time
             self.tb = None
+
+    def size(self) -> int | None:
+        """Bytes of log.jsonl written so far (a checkpoint keeps it: see rewind)."""
+        if self.file is None:
+            return None
+        self.file.flush()
+        return os.fstat(self.file.fileno()).st_size
+
+    def rewind(self, size: int | None, step: int) -> None:
+        """Back to the log as it was when a checkpoint was saved: log.jsonl cut to `size`
+        bytes and TensorBoard's events after `step` hidden, since the resumed run logs the
+        iterations after the checkpoint again (each is then in the log once)."""
+        if self.file is None or size is None:
+            return
+        if self.size() > size:
+            os.ftruncate(self.file.fileno(), size)  # append mode: the next line goes at the new end
+        if self.tb is not None:
+            self.tb.close()
+            self._open_tb(purge_step=step + 1)
 
     def write(self, record: dict, step: int | None = None) -> None:
         if self.file is None:
@@ -125,7 +148,7 @@ class Run:
     fails its checks leaves nothing behind.
     """
 
-    def __init__(self, cfg: DictConfig, check_dir: bool = True):
+    def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.device = dist.setup(cfg.device)
         self.rank, self.world_size = dist.rank(), dist.world_size()
@@ -149,11 +172,14 @@ class Run:
         self.dir = run_dir(cfg)
         self.ckpt_path, self.prev_path = self.dir / CHECKPOINT_NAME, self.dir / PREVIOUS_NAME
         self.lock = RunLock(self.dir)
-        self._checked_resume = self._check_run_dir() if check_dir else None
+        self._checked_resume = self._check_run_dir()
         self._agree(self.lock.problem)  # a live run holds the directory: stop before any work
+        if self._checked_resume:
+            self._stop_if_finished()
         self.logger: JsonlLogger | None = None
         self.started = time.time()
         self.interactive = sys.stderr.isatty() and self.is_main
+        self.cadence: "Cadence | None" = None  # the loop's, once made (its timing goes into results.json)
 
     # ---- setup -------------------------------------------------------------------------
     def _precision(self, precision: str):
@@ -204,8 +230,6 @@ class Run:
         if self.cfg.resume == "never":
             raise UserError(f"{self.dir} already holds a checkpoint; pass resume=auto to continue it, "
                             "or out=<another dir>")
-        if self.cfg.resume != "auto":
-            raise UserError(f"resume={self.cfg.resume!r} is not one of auto, never")
         saved = OmegaConf.to_container(OmegaConf.load(saved_cfg)) if saved_cfg.exists() else \
             self._latest_checkpoint(quiet=True)[0].get("config", {})
         diffs = config_differences(saved, to_dict(self.cfg))
@@ -213,6 +237,20 @@ class Run:
             raise UserError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:4])}); "
                             "use out=<new dir>, or the old values to resume")
         return True
+
+    def _stop_if_finished(self) -> None:
+        """Resuming a run that has ended (its results.json is there, for at least these
+        epochs) would only evaluate it again and write over its figures: raise Finished.
+        More epochs than it ran continue its training."""
+        try:
+            done = json.loads((self.dir / "results.json").read_text())
+        except (OSError, ValueError):
+            return  # no results yet: the run (or its final evaluation) goes on
+        if not isinstance(done, dict) or int(done.get("epochs") or 0) < int(self.cfg.epochs):
+            return
+        raise Finished(f"{self.dir} holds a finished run ({done.get('epochs')} epochs, results.json): nothing to "
+                       f"do, its results stay as they are; evaluate it with `bash run.sh knn {self.dir}` "
+                       "(or linear, viz), or train another with out=<another dir>")
 
     def _latest_checkpoint(self, quiet: bool = False) -> tuple[dict, Path]:
         """The newest readable of checkpoint.pth and checkpoint_prev.pth, and its path. A
@@ -250,6 +288,7 @@ class Run:
         saved = self.resume_state()
         if saved is None:
             return 0, {}
+        self.logger.rewind(saved.get("log_bytes"), int(saved["iteration"]))
         for name, obj in state.items():
             if obj is None or saved.get(name) is None:
                 continue
@@ -274,9 +313,11 @@ class Run:
         self.open()
         self.logger.write(record, step)
 
-    def check_finite(self, loss: torch.Tensor, where: str) -> None:
-        if not math.isfinite(float(loss)):
-            self.stop_nonfinite(float(loss), where)
+    def log_image(self, tag: str, image, step: int) -> None:
+        """An (H, W, 3) uint8 picture into TensorBoard (rank 0; nothing without TensorBoard)."""
+        self.open()
+        if self.logger.tb is not None:
+            self.logger.tb.add_image(tag, image, step, dataformats="HWC")
 
     def stop_nonfinite(self, value: float, where: str) -> None:
         raise RunFailed(f"loss is {value} at {where}; stopped. The last good checkpoint "
@@ -288,7 +329,8 @@ class Run:
         checkpoint_prev.pth."""
         self.open()
         if self.is_main:
-            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg), **state},
+            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
+                                              "log_bytes": self.logger.size(), **state},
                             previous=self.prev_path if name == CHECKPOINT_NAME else None)
         dist.barrier()
 
@@ -307,10 +349,11 @@ class Run:
     def finish(self, results: dict) -> dict:
         results = {"wall_time_s": round(time.time() - self.started, 1),
                    "device": device_name(self.device), "world_size": self.world_size, **results}
+        if self.cadence is not None and "timing" not in results:
+            results["timing"] = self.cadence.timing_report()
         self.open()
         if self.is_main:
-            with open(self.dir / "results.json", "w") as f:
-                json.dump(results, f, indent=2)
+            write_json(self.dir / "results.json", results)
         self.logger.close()
         self.lock.release()
         return results
@@ -385,6 +428,13 @@ class Cadence:
     signal (core.preempt) ends the run after the current iteration with a checkpoint of
     it. `state` names what a checkpoint holds (objects with a state_dict, tensors, plain
     values) and `results` the trainer's running results; both are saved as they are then.
+
+    It also keeps the run's clock in results["timing"], saved with every checkpoint, so a
+    run stopped and resumed many times still tells what one uninterrupted run takes:
+    training seconds and images summed over every start (each start's first iteration,
+    where torch.compile compiles and the loader starts, left out), evaluation seconds
+    (the trainer wraps them in `evaluating()`), and per start its start-up (from `Run()`
+    to here) and its first iteration. Make it right before the loop.
     """
 
     def __init__(self, run: "Run", iterations_per_epoch: int, start_it: int, results: dict, state: dict,
@@ -399,6 +449,13 @@ class Cadence:
         self.saved_at = start_it  # the iteration the checkpoint on disk holds
         self.kill_at = int(os.environ.get(KILL_AT_ENV, "0"))
         self.interval_started, self.images_since = time.time(), 0
+        run.cadence = self  # Run.finish reports the timing
+        self.timing = results.setdefault("timing", {"train_s": 0.0, "train_images": 0, "eval_s": 0.0, "starts": []})
+        self.start = {"at_iteration": start_it, "startup_s": round(time.time() - run.started, 2),
+                      "first_iteration_s": None}
+        self.timing["starts"].append(self.start)
+        # the loop's clock since it was last banked (checkpoints bank it), evaluations paused out
+        self.clock_from, self.paused, self.images = time.time(), 0.0, 0
 
     def log_due(self, it: int) -> bool:
         return it % self.log_every == 0 or it == self.total
@@ -433,7 +490,47 @@ class Cadence:
         return record
 
     def count(self, images: int) -> None:
+        """After each iteration: `images` trained (the log's rate and the timing)."""
         self.images_since += images
+        if self.start["first_iteration_s"] is None:
+            now = time.time()
+            self.start["first_iteration_s"] = round(now - self.clock_from - self.paused, 2)
+            self.clock_from, self.paused = now, 0.0
+        else:
+            self.images += images
+
+    @contextlib.contextmanager
+    def evaluating(self, final: bool = False):
+        """Time an evaluation apart from training (final=True: the end-of-run one)."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            dt = time.time() - t0
+            self.paused += dt
+            if final:
+                self.timing["final_eval_s"] = round(dt, 2)
+            else:
+                self.timing["eval_s"] = round(self.timing["eval_s"] + dt, 2)
+
+    def _bank_time(self) -> None:
+        if self.start["first_iteration_s"] is None:
+            return
+        now = time.time()
+        self.timing["train_s"] = round(self.timing["train_s"] + now - self.clock_from - self.paused, 3)
+        self.timing["train_images"] += self.images
+        self.clock_from, self.paused, self.images = now, 0.0, 0
+
+    def timing_report(self) -> dict:
+        """results["timing"] as of the last checkpoint, with the training rate and what one
+        uninterrupted run would take (the first start's start-up and first iteration, the
+        training, the evaluations)."""
+        t = dict(self.timing)
+        t["train_images_per_s"] = round(t["train_images"] / t["train_s"], 1) if t["train_s"] else None
+        first = t["starts"][0]
+        t["uninterrupted_s"] = round(first["startup_s"] + (first["first_iteration_s"] or 0.0) + t["train_s"]
+                                     + t["eval_s"] + t.get("final_eval_s", 0.0), 1)
+        return t
 
     def checkpoint(self, it: int) -> None:
         """Save, then stop here if a stop signal came (see stop_if_signalled)."""
@@ -444,6 +541,7 @@ class Cadence:
         """read() (never save weights a non-finite loss may have reached), then save the
         state_dict of every object in `state` (tensors as they are), the position and the RNGs."""
         self.read(it)
+        self._bank_time()
         self.run.save({**{k: _state_of(v) for k, v in self.state.items()}, "epoch": it // self.ipe,
                        "iteration": it, "rng": rng_state(), "results": self.results})
         self.saved_at = it
@@ -451,7 +549,9 @@ class Cadence:
     def after_iteration(self, it: int) -> None:
         if self.kill_at and it == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.saved_at != it:  # checkpoint(it) has just asked
+        # checkpoint(it) has just asked; at an epoch's end the trainer's epoch-end checkpoint
+        # asks, after the epoch's evaluation, which a stop here would skip for good
+        if self.saved_at != it and it % self.ipe:
             self.stop_if_signalled(it)
 
     def stop_if_signalled(self, it: int) -> None:

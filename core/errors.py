@@ -28,3 +28,11 @@ class Preempted(Exception):
 
     The CLI prints the message as one line and exits with PREEMPTED_EXIT.
     """
+
+
+class Finished(Exception):
+    """A training command given a run directory whose run has ended (results.json written
+    for these epochs): nothing is done and nothing in it is touched.
+
+    The CLI prints the message as one line and exits 0 (a requeued job is done too).
+    """

@@ -1,4 +1,4 @@
-"""Parameter groups shared by every trainer.
+"""Parameter groups and the learning-rate rule shared by every trainer.
 
 DINO's rule (no weight decay for biases and 1-D parameters) would still decay timm's
 Affine alpha/beta, which are stored as [1, 1, D]. So Affine and LayerScale parameters
@@ -29,3 +29,8 @@ def param_groups(model: nn.Module) -> list[dict]:
             (no_decay if spared else decay).append(p)
     return [{"params": decay, "name": "decay"},
             {"params": no_decay, "name": "no_decay", "weight_decay": 0.0}]
+
+
+def scaled_lr(optim_cfg, batch_size: int) -> float:
+    """The linear scaling rule: `optim.lr` is given for a global batch of `optim.lr_batch`."""
+    return float(optim_cfg.lr) * int(batch_size) / int(optim_cfg.lr_batch)

@@ -16,8 +16,6 @@ import os
 import signal
 import threading
 
-from resmlp.core import dist
-
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _received: list[int] = []
@@ -67,6 +65,7 @@ def got(signum: int) -> bool:
 
 def agreed() -> bool:
     """Whether any rank received a stop signal: every rank must call it at the same point."""
+    from resmlp.core import dist  # here: the campaign's orchestrator watches signals without torch
     return dist.any_rank(requested())
 
 

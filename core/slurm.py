@@ -69,9 +69,10 @@ def executor_parameters(cfg) -> dict:
     }
 
 
-def submit(cfg, argv: list[str]):
-    """Submit `argv` (a command line of resmlp.core.cli) as a job; print its id and where
-    its logs go; return the submitit job."""
+def submit(cfg, argv: list[str], main):
+    """Submit `argv` (a command line of resmlp.core.cli) as a job that runs `main(argv)`
+    (the CLI's entry, passed in: the CLI is the layer above) in each of its processes;
+    print its id and where its logs go; return the submitit job."""
     from resmlp.core.engine import run_dir
     from resmlp.core.lock import RunLock
     try:
@@ -90,7 +91,7 @@ def submit(cfg, argv: list[str]):
         executor = submitit.AutoExecutor(folder=folder / "%j", cluster=cfg.slurm.cluster,
                                          slurm_max_num_timeout=timeouts, local_max_num_timeout=timeouts)
         executor.update_parameters(**executor_parameters(cfg))
-        job = executor.submit(Job([*argv, "launcher=local", f"out={directory}"]))
+        job = executor.submit(Job([*argv, "launcher=local", f"out={directory}"], main))
     except (RuntimeError, ValueError, OSError) as e:  # submitit's submission errors are RuntimeErrors
         raise UserError(f"could not submit the job: {str(e).strip().splitlines()[0]}") from None
     s = cfg.slurm
@@ -101,15 +102,14 @@ def submit(cfg, argv: list[str]):
 
 
 class Job:
-    """What a submitted job runs: the CLI with `argv`, in each of its processes. submitit
-    calls `checkpoint` when the job is to be requeued, for the job to run next."""
+    """What a submitted job runs: the CLI's `main` with `argv`, in each of its processes.
+    submitit calls `checkpoint` when the job is to be requeued, for the job to run next."""
 
-    def __init__(self, argv: list[str]):
-        self.argv = list(argv)
+    def __init__(self, argv: list[str], main):
+        self.argv, self.main = list(argv), main
 
     def __call__(self) -> int:
         import submitit
-        from resmlp.core import cli
         env = submitit.JobEnvironment()
         if env.num_tasks > 1:  # MASTER_ADDR (the first node), MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
@@ -118,7 +118,7 @@ class Job:
         # A trainer stops on submitit's signal as on SIGTERM; other commands leave it to submitit
         # (they are requeued at once and start over).
         with preempt.watch(extra=(requeue_signal,)) if trainer else contextlib.nullcontext():
-            code = cli.main(self.argv)
+            code = self.main(self.argv)
         if code == PREEMPTED_EXIT:
             if env.global_rank == 0 and preempt.got(requeue_signal):
                 # The time limit is near. submitit's handler is back in place: it calls
@@ -133,4 +133,4 @@ class Job:
     def checkpoint(self, *args, **kwargs):
         import submitit
         argv = self.argv if self.argv[-1:] == ["resume=auto"] else [*self.argv, "resume=auto"]
-        return submitit.helpers.DelayedSubmission(Job(argv))
+        return submitit.helpers.DelayedSubmission(Job(argv, self.main))

@@ -22,9 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from omegaconf import OmegaConf
+
 from resmlp.core.errors import UserError
 from resmlp.data import fashion_mnist, imagefolder, torchvision_sets
-from resmlp.data.decode import reads_files, serve_encoded
+from resmlp.data.decode import reads_files
+from resmlp.data.imagefolder import serve_encoded
 from resmlp.data.subset import make_subset
 
 
@@ -87,12 +90,47 @@ def build_dataset(data_cfg, split: str, transform=None):
     return dataset
 
 
+def fit_demo_subset(cfg) -> str | None:
+    """The CPU demo (cfg.demo) takes data.subset training images, or all of them where the
+    training split holds fewer: then data.subset becomes null (the config a run saves says
+    what it used) and the note that says so is returned. Call it before the run dir's config
+    is compared or saved."""
+    n = cfg.data.get("subset", None)
+    if not cfg.get("demo", False) or n is None:
+        return None
+    have = len(build_dataset(OmegaConf.merge(cfg.data, {"subset": None}), "train"))
+    if have >= int(n):
+        return None
+    cfg.data.subset = None
+    return f"the CPU demo takes all {have} images of the training split (data.subset={n} asks for more)"
+
+
 def num_classes(data_cfg) -> int:
     """Number of classes; a constant, or one listing of root/train/ for image folders."""
     info = dataset_info(data_cfg)
     if info.num_classes is not None:
         return info.num_classes
     return len(imagefolder.train_classes(data_cfg))
+
+
+def one_class_problem(data_cfg, what: str) -> str | None:
+    """Why `what` (an accuracy) would mean nothing on this data set: one class scores 100%
+    whatever the network does. None with two classes or more."""
+    if num_classes(data_cfg) >= 2:
+        return None
+    names = class_names(data_cfg)
+    where = f"data.root={data_cfg.get('root')}" if dataset_info(data_cfg).build is imagefolder.build else \
+        f"data={data_cfg.name}"
+    return (f"{where} has one class ({names[0] if names else '?'}): {what} over one class is 100% whatever the "
+            "network learned; give the data set a folder per class, at least two (train/<class>/, val/<class>/)")
+
+
+def require_classes(data_cfg, what: str) -> int:
+    """num_classes, or a UserError where one class makes `what` meaningless."""
+    problem = one_class_problem(data_cfg, what)
+    if problem:
+        raise UserError(problem)
+    return num_classes(data_cfg)
 
 
 def class_names(data_cfg) -> list[str]:

@@ -2,7 +2,7 @@
 enough detail is left.
 
 File datasets (image folders) normally yield decoded PIL images. A transform that says
-`reads_files = True` gets the file's bytes instead (`serve_encoded`, an `EncodedImage`)
+`reads_files = True` gets the file's bytes instead (imagefolder.serve_encoded, an `EncodedImage`)
 and decodes them itself, with libjpeg-turbo (torchvision.io.decode_jpeg: no PIL image,
 no colour conversion pass) or, for large JPEGs, PIL's draft mode (libjpeg scales the
 DCT by 1/2, 1/4 or 1/8 while decoding, so a 12-megapixel photo costs little more than a
@@ -69,22 +69,6 @@ def _unreadable(path: str, e: Exception) -> UserError:
     text = " ".join(str(e).split())
     return UserError(f"cannot read image {path} ({type(e).__name__}: {text}); replace or delete it, "
                      f"or set data.skip_corrupt=true to skip unreadable images")
-
-
-def serve_encoded(dataset) -> bool:
-    """Make the file dataset under `dataset` (through subset wrappers) yield EncodedImage
-    instead of PIL images. False when there are no files (in-memory datasets)."""
-    from resmlp.data.imagefolder import ImageFolder
-    seen = 0
-    while not isinstance(dataset, ImageFolder) and seen < 8:
-        inner = getattr(dataset, "base", None) or getattr(dataset, "dataset", None)
-        if inner is None:
-            return False
-        dataset, seen = inner, seen + 1
-    if not isinstance(dataset, ImageFolder):
-        return False
-    dataset.encoded = True
-    return True
 
 
 def reads_files(transform) -> bool:

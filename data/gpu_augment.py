@@ -1,8 +1,8 @@
 """DINO's multi-crop augmentation for a whole batch at once, on the batch's device.
 
 The CPU path (multicrop.py) augments one PIL image at a time in the loader workers; on
-a GPU box with 16 cores that is likely the bottleneck (reference.md, "Performance
-anchors"). Here the workers only decode each whole image (decode.py: `SourceDecoder`
+a GPU box with 16 cores that is likely the bottleneck (README, Performance). Here the
+workers only decode each whole image (decode.py: `SourceDecoder`
 and `collate_sources` put the batch's images top-left in one zero-padded uint8 tensor
 and send each image's valid height and width along), and `GpuMultiCrop` makes all the
 views of the batch on the device, every sample with its own random parameters:
@@ -41,14 +41,19 @@ Per view, in DINO's order (same probabilities as multicrop.py's table):
 Differences from the CPU path: values stay float between steps (PIL rounds to uint8
 after each), and an image larger than data.source_side was shrunk when decoded
 (decode.py), so its crops are resampled from that copy rather than the file's pixels.
+The two paths draw from different generators, so a run cannot switch between them
+mid-way and stay exact. tests/test_gpu_augment.py checks the bicubic crop against
+torchvision's antialiased `resized_crop`, each colour op against torchvision's
+functional ops, the blur against `gaussian_blur`, and the crops' mean / std against the
+CPU transform's on the same images; tests/test_crop_geometry.py the boxes' distribution.
 
 Randomness: every random number is a counter-based hash of (seed, key of the sample,
 view, draw), no generator state. So the same (seed, keys) give the same crops on any
 device, batch composition or process count, and a resumed run needs only the seed.
-`keys` defaults to the position in the batch (pass `augment_seed(run seed, iteration)`
-as the seed: exact resume); with `KeyedDataset` the keys are the EpochSampler's global
-sample ids (epoch * N + index) and the augmentation of a sample no longer depends on
-which rank or batch it lands in, as resumable.py promises for the CPU path.
+`keys` defaults to the position in the batch (then the seed must change with every
+batch); with `KeyedDataset` the keys are the EpochSampler's global sample ids (epoch * N
++ index) and the augmentation of a sample no longer depends on which rank or batch it
+lands in, as resumable.py promises for the CPU path.
 
 Layout inside: images are kept as (N, H, 3, W) ("rows, channels, columns") so that
 the row matmul (N, S, H) @ (N, H, 3W) and the column matmul (N, 3S, W) @ (N, W, S)
@@ -59,7 +64,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from resmlp.core.errors import UserError
@@ -111,12 +115,6 @@ def counter_uniforms(seed: int, keys: torch.Tensor, n_views: int, n_cols: int = 
     h = _fmix32(state.view(1, -1, 1) ^ salt.view(n_views, 1, n_cols))
     h = _fmix32(h ^ 0x5BD1E995)
     return (h >> 8).to(torch.float32) * (1.0 / 2**24)
-
-
-def augment_seed(run_seed: int, iteration: int, rank: int = 0) -> int:
-    """A 63-bit seed for one training iteration (and rank), from the run's seed."""
-    return int(np.random.SeedSequence([int(run_seed), int(iteration), int(rank)])
-               .generate_state(1, np.uint64)[0] >> 1)
 
 
 # --------------------------------------------------------------------------- geometry
@@ -326,7 +324,7 @@ class GpuMultiCrop:
     [global_1, global_2, local_1..local_n], each (B, 3, S, S) normalized `out_dtype`.
 
     The constructor takes a crop plan's fields (global_size, local_size, n_local,
-    global_scale, local_scale; see resmlp.ssl.crop_plan) and the normalization; the rest
+    global_scale, local_scale; see resmlp.data.crop_plan) and the normalization; the rest
     are DINO's defaults.
     `normalize=False` returns values in [0, 1] (tests, inspection). `compile=True` runs
     the photometric stage through torch.compile (worth it on a GPU; see bench/NOTES.md).
@@ -369,7 +367,7 @@ class GpuMultiCrop:
 
     @classmethod
     def from_plan(cls, plan, data_cfg, **kwargs) -> "GpuMultiCrop":
-        """From a crop plan (resmlp.ssl.crop_plan.CropPlan) and the data section (mean / std)."""
+        """From a crop plan (resmlp.data.crop_plan.CropPlan) and the data section (mean / std)."""
         from resmlp.data.transforms import mean_std
         mean, std = mean_std(data_cfg)
         return cls(plan.global_size, plan.local_size, plan.n_local, plan.global_scale, plan.local_scale,

@@ -152,7 +152,7 @@ class ImageFolder(torch.utils.data.Dataset):
                       f"(data.skip_corrupt=true)", flush=True)
         self._paths = np.array([os.fsencode(p) for p, _ in samples], dtype=bytes)
         # True: yield the files' bytes (decode.EncodedImage) for a transform that decodes
-        # them itself (decode.serve_encoded); False: decoded RGB PIL images.
+        # them itself (serve_encoded); False: decoded RGB PIL images.
         self.encoded = False
         self.targets = np.array([y for _, y in samples], dtype=np.int64)
         self.source = folder
@@ -179,3 +179,18 @@ def build(data_cfg, split: str, transform=None) -> ImageFolder:
     return ImageFolder(folder, classes, transform,
                        skip_corrupt=bool(data_cfg.get("skip_corrupt", False)),
                        check=bool(data_cfg.get("check", False)))
+
+
+def serve_encoded(dataset) -> bool:
+    """Make the file dataset under `dataset` (through subset wrappers) yield EncodedImage
+    instead of PIL images. False when there are no files (in-memory datasets)."""
+    seen = 0
+    while not isinstance(dataset, ImageFolder) and seen < 8:
+        inner = getattr(dataset, "base", None) or getattr(dataset, "dataset", None)
+        if inner is None:
+            return False
+        dataset, seen = inner, seen + 1
+    if not isinstance(dataset, ImageFolder):
+        return False
+    dataset.encoded = True
+    return True

@@ -120,6 +120,12 @@ def _check(data_cfg, datasets: dict) -> None:
                     f"or set data.skip_corrupt=true to skip them")
 
 
+def results_dir(cfg):
+    """The run folder data.preview=N draws into; None without a preview (nothing is written)."""
+    from resmlp.core.engine import run_dir
+    return run_dir(cfg) if cfg.data.get("preview", 0) else None
+
+
 def run(cfg) -> int:
     data_cfg = cfg.data
     raw_cfg = _with(data_cfg, check=False, skip_corrupt=False, subset=None)
@@ -154,7 +160,7 @@ def run(cfg) -> int:
     n = data_cfg.get("preview", 0)
     if n:
         from resmlp.data.preview import run_preview
-        from resmlp.ssl.crop_plan import crop_plan
+        from resmlp.data.crop_plan import crop_plan
         out = run_preview(cfg, n)
         print(f"preview: the DINO views ({crop_plan(cfg).label()} px) of {n} training images drawn as "
               f"`run.sh dino` draws them: {out['png']}, {out['json']}")

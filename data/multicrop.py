@@ -23,7 +23,7 @@ recorded in each ViewSpec for a kernel-based (GPU) implementation. The CPU path 
 PIL's Gaussian blur (fast; torchvision's GaussianBlur is ~20x slower at 224 px).
 
 Local crops and fixed-grid models: ResMLP's cross-patch layer fixes the patch grid; the
-"resize" strategy (resmlp.ssl.crop_plan) crops the locals straight at the global
+"resize" strategy (resmlp.data.crop_plan) crops the locals straight at the global
 resolution by passing local_size=global_size. The parameters of view i are in
 `transform.views[i]` (ViewSpec). All randomness comes from torch's RNG (seeded per
 DataLoader worker).

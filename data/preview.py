@@ -1,5 +1,5 @@
 """`run.sh data data=... data.preview=N`: the DINO views of N training images, drawn by
-the trainer's own data path (ssl.crop_plan.build_views, data.resumable.build_train_loader,
+the trainer's own data path (data.crop_plan.build_views, data.resumable.build_train_loader,
 GpuMultiCrop), written into the run folder (out=) as
 
 - crops.png: one row per image: the image with every crop's box outlined, then its two
@@ -118,7 +118,7 @@ def run_preview(cfg, n: int) -> dict:
     from resmlp.data import build_dataset, train_split_for_ssl
     from resmlp.data.resumable import build_train_loader
     from resmlp.data.transforms import mean_std
-    from resmlp.ssl.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import build_views, crop_plan
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError(f"data.preview={n!r} must be a positive number of images")

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from resmlp.core import dist
 from resmlp.core.preempt import shield_worker
-from resmlp.data.decode import reads_files, serve_encoded
+from resmlp.data.decode import reads_files
+from resmlp.data.imagefolder import serve_encoded
 from resmlp.data.loader import cap_workers
 
 

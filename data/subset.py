@@ -44,13 +44,13 @@ def balanced_subset_indices(targets, n: int, num_classes: int, seed: int = SUBSE
         raise UserError(f"data.subset={n!r} must be a positive number of images (or null for all)")
     if n > len(targets):
         raise UserError(f"data.subset={n} is larger than the {len(targets)} images of the split; "
-                        f"lower it or set data.subset=null")
+                        f"use data.subset={len(targets)} or less, or data.subset=null for all of them")
     rng = np.random.default_rng(seed)
     if len(targets) and (targets < 0).all():
         return np.sort(rng.choice(len(targets), size=n, replace=False))
     if n < num_classes:
         raise UserError(f"data.subset={n} is smaller than the {num_classes} classes; "
-                        f"use at least one image per class (data.subset>={num_classes})")
+                        f"use at least one image per class (data.subset={num_classes} or more)")
     counts = np.bincount(targets[targets >= 0], minlength=num_classes)
     picked = []
     for k, q in enumerate(quotas(counts, n)):

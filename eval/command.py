@@ -8,8 +8,6 @@ results, what was evaluated, the wall time and the resolved config.
 """
 from __future__ import annotations
 
-import json
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -19,11 +17,12 @@ import torch
 import torch.nn as nn
 
 from resmlp.core import dist
-from resmlp.core.checkpoint import atomic_write
+from resmlp.core.checkpoint import check_writable, resolve_checkpoint_path
 from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
-from resmlp.eval.features import amp_dtype_from_precision, features_for
-from resmlp.models.checkpoints import describe, load_backbone
+from resmlp.core.report import write_json
+from resmlp.eval.features import amp_dtype_from_precision, default_cache_dir, features_for
+from resmlp.models.load import describe, load_backbone
 
 
 def log(msg: str) -> None:
@@ -49,6 +48,16 @@ def output_dir(cfg, info: dict, sub: str | None = None) -> Path:
     else:
         base = Path("runs") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", str(info.get("model", "model")))
     return base / sub if sub else base
+
+
+def results_dir(cfg, sub: str | None = None) -> Path:
+    """output_dir before anything is loaded: where this command's reports will go."""
+    spec = str(cfg.checkpoint or "")
+    if spec.startswith("timm:"):
+        info = {"model": spec[len("timm:"):].partition("?")[0]}
+    else:
+        info = {"path": str(resolve_checkpoint_path(spec))} if spec else {}
+    return output_dir(cfg, info, sub)
 
 
 def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) -> Backbone:
@@ -88,42 +97,16 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
 
 
 def split_features(cfg, bb: Backbone, split: str, n_last_blocks: int = 1) -> dict:
-    """features_for one split with the command's config (cache dir, batch, workers)."""
+    """features_for one split with the command's config (cache dir, batch, workers); an
+    unwritable cache dir fails before the extraction, not after it."""
+    if cfg.features.cache and dist.is_main():
+        check_writable(cfg.features.cache_dir or default_cache_dir(bb.info), "the feature cache",
+                       "set features.cache_dir=<a directory you can write>, or features.cache=false")
     return features_for(
         bb.model, bb.info, cfg.data, split, device=bb.device,
         batch_size=int(cfg.features.batch_size), num_workers=int(cfg.num_workers),
         n_last_blocks=n_last_blocks, cache_dir=cfg.features.cache_dir,
         use_cache=bool(cfg.features.cache), amp_dtype=bb.amp_dtype, log=log)
-
-
-def json_safe(obj):
-    """Plain JSON values: tensors -> numbers, paths -> str, NaN -> null."""
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return json_safe(obj.tolist())
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if hasattr(obj, "item") and callable(obj.item):
-        try:
-            return json_safe(obj.item())
-        except (TypeError, ValueError):
-            pass
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    return str(obj)
-
-
-def write_json(path: Path, obj) -> Path:
-    """Atomic write of obj as indented JSON."""
-    with atomic_write(path, "w") as fh:
-        json.dump(json_safe(obj), fh, indent=2)
-        fh.write("\n")
-    return Path(path)
 
 
 def checkpoint_summary(info: dict) -> dict:

@@ -233,7 +233,8 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
                  transform=None, log: Callable[[str], None] | None = print) -> dict:
     """Eval-transform features of one split of data_cfg, from the cache or extracted.
 
-    batch_size is per process. transform: default resmlp.data.build_eval_transform.
+    batch_size is global (each process extracts its shard: dist.share). transform: default
+    resmlp.data.build_eval_transform.
     Returns {'features': (N, D) float32, 'labels': (N,) int64, 'classes': list,
     'num_classes': int, 'cache': path or None, 'cached': bool, 'key': dict}.
     """
@@ -260,13 +261,15 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
     dataset = rdata.build_dataset(data_cfg, split, transform=transform)
     if len(dataset) == 0:
         raise UserError(f"the {split} split of {key['data']} is empty; check data.root / data.subset")
-    loader = rdata.build_loader(dataset, batch_size, train=False, num_workers=num_workers, seed=0)
+    loader = rdata.build_loader(dataset, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
     feats, labels = extract_features(model, loader, device, amp_dtype, n_last_blocks, desc=f"{split} features")
     classes = list(getattr(dataset, "classes", []) or [])
     n_cls = len(classes) or int(rdata.num_classes(data_cfg))
     if path is not None:
         if dist.is_main():
-            with atomic_write(path) as fh:
+            with atomic_write(path, what="the feature cache",
+                              then="free some space, set features.cache_dir=<another directory>, or "
+                                   "features.cache=false") as fh:
                 torch.save({"features": feats, "labels": labels, "classes": classes,
                             "num_classes": n_cls, "key": key}, fh)
             if log:

@@ -11,8 +11,8 @@ neither says how it breaks ties, so the raw search is only a candidate generator
     1. search k + margin candidates per query (any backend, any precision with a known
        rounding bound);
     2. recompute the candidates' similarities in float64 with one fixed piece of code
-       (where the features are: the CPU, or the GPU for torch there), and sort them by
-       (-similarity, train index);
+       (the cosine of the raw features, norms in float64, where the search runs: the CPU,
+       or the GPU for torch there), and sort them by (-similarity, train index);
     3. if the last candidate's search similarity is within the search's rounding bound
        of the k-th float64 similarity, a neighbour may hide outside the candidate list:
        search again for those queries with more candidates (up to the whole train set).
@@ -23,7 +23,12 @@ class index.
 
 Memory stays bounded: queries are processed in chunks so that no n_test x n_train
 matrix exists; a torch chunk holds at most `_CHUNK_BYTES` of similarities (1.28M x 384
-ImageNet train features: ~100 queries at a time, ~4 GB of features in host memory).
+ImageNet train features: a few hundred queries at a time, ~4 GB of features in host memory).
+
+On a GPU (torch) everything runs there: the raw features are copied once, normalised
+there, the candidate pass is a bf16 matmul (fp32 accumulation) whose rows are reduced to
+block maxima before the top-k (`_top_candidates`), and the float64 re-rank gathers the
+candidates there; only the k neighbours come back.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ _MAX_CHUNK = 4096             # queries per chunk, whatever the budget allows
 
 # --------------------------------------------------------------------------- inputs
 
-def _as_tensor(x, name: str, dtype=torch.float32) -> torch.Tensor:
+def _as_tensor(x, name: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(x))
     elif not isinstance(x, torch.Tensor):
@@ -51,11 +56,12 @@ def _as_tensor(x, name: str, dtype=torch.float32) -> torch.Tensor:
             x = torch.as_tensor(np.asarray(x))
         except Exception:
             raise UserError(f"{name} must be a numpy array or torch tensor, not {type(x).__name__}") from None
-    return x.detach().to("cpu", dtype)
+    return x.detach().to(device, dtype)
 
 
-def _features(x, name: str) -> torch.Tensor:
-    x = _as_tensor(x, name)
+def _features(x, name: str, device="cpu") -> torch.Tensor:
+    """Raw features as float32 on `device`, checked."""
+    x = _as_tensor(x, name, device=device)
     if x.ndim != 2:
         raise UserError(f"{name} must be 2-D (n, dim), got shape {tuple(x.shape)}")
     if x.shape[0] == 0:
@@ -66,7 +72,8 @@ def _features(x, name: str) -> torch.Tensor:
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
-    """Unit rows in float32 on the CPU: the one normalisation both backends share."""
+    """Unit rows in float32, where x is: what the candidate passes search (the exact
+    re-rank normalises in float64 itself)."""
     return torch.nn.functional.normalize(x.float(), dim=1, eps=1e-12).contiguous()
 
 
@@ -79,8 +86,9 @@ def _labels(y, n: int, num_classes: int, name: str) -> torch.Tensor:
     return y
 
 
-def check_ks(ks, n_train: int) -> list[int]:
-    """k values as a sorted list of ints; accepts 20, [10, 20], "10,20"."""
+def check_ks(ks, n_train: int, key: str = "knn.k") -> list[int]:
+    """k values as a sorted list of ints; accepts 20, [10, 20], "10,20". `key`: the config
+    key the messages name (the one the user sets)."""
     if isinstance(ks, str):
         ks = [v for v in ks.replace(" ", "").strip("[]").split(",") if v]
     elif not isinstance(ks, Iterable):
@@ -90,17 +98,18 @@ def check_ks(ks, n_train: int) -> list[int]:
         try:
             kf = float(k)
         except (TypeError, ValueError):
-            raise UserError(f"k={k!r} is not an integer; use e.g. k=20 or k=10,20") from None
+            raise UserError(f"{key}={k!r} is not an integer; use e.g. {key}=20 or {key}=10,20") from None
         if kf != int(kf):
-            raise UserError(f"k={k!r} is not an integer; use e.g. k=20 or k=10,20")
+            raise UserError(f"{key}={k!r} is not an integer; use e.g. {key}=20 or {key}=10,20")
         k = int(kf)
         if k <= 0:
-            raise UserError(f"k={k} must be positive")
+            raise UserError(f"{key}={k} must be positive")
         if k > n_train:
-            raise UserError(f"k={k} is larger than the train set ({n_train} features); use k <= {n_train}")
+            raise UserError(f"{key}={k} is larger than the train set ({n_train} images); use {key}={n_train} "
+                            "or less")
         out.append(k)
     if not out:
-        raise UserError("no k given; use e.g. k=20 or k=10,20")
+        raise UserError(f"no k given; use e.g. {key}=20 or {key}=10,20")
     return sorted(set(out))
 
 
@@ -204,42 +213,81 @@ def _matmul_precision(precision: str):
         torch.set_float32_matmul_precision(old)
 
 
-# Relative rounding of a TF32 operand (10 stored mantissa bits; counted as truncation).
-_TF32_U = 2.0**-10
+# Relative rounding of one operand (round to nearest: half of these; counted in full).
+_UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+@contextlib.contextmanager
+def _fp32_accumulation():
+    """cuBLAS may sum bf16 products in reduced precision unless told not to; the rounding
+    bound below assumes float32 sums."""
+    old = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = old
+
+
+def _top_candidates(sims: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sims.topk(k, dim=1), values exact, found through block maxima: every value above the
+    k-th largest lies in a block whose maximum is among the k largest maxima (fewer than k
+    values exceed it), so the top k of those k blocks are the top k of the row. Any k values
+    tied at the k-th may be returned, as with topk. One pass over the row for the maxima
+    instead of torch.topk's several over a row of a million values."""
+    r, n = sims.shape
+    full = n // block
+    if full <= k or block <= 1:
+        return sims.topk(k, dim=1)
+    maxima = sims.unfold(1, block, block).amax(2)   # a strided view of the full blocks: no copy
+    if n > full * block:
+        maxima = torch.cat([maxima, sims[:, full * block:].amax(1, keepdim=True)], dim=1)
+    cols = (maxima.topk(k, dim=1).indices.unsqueeze(2) * block
+            + torch.arange(block, device=sims.device)).reshape(r, k * block)
+    inside = cols < n
+    values = sims.gather(1, cols.clamp_max(n - 1)).masked_fill(~inside, float("-inf"))
+    top, where = values.topk(k, dim=1)
+    return top, cols.gather(1, where)
 
 
 class _TorchSearch:
-    """Candidates by matmul + topk where the features live (CPU or GPU), and the exact
-    re-rank there too. On a GPU the candidate pass runs in TF32: several times the
-    float32 rate, and its error on unit vectors is bounded (`tolerance`), which is all
-    the exactness check of knn_search needs."""
+    """Candidates by matmul + top-k where the features live (CPU or GPU), and the exact
+    re-rank there too. On a GPU the candidate pass runs in bf16 with float32 sums: the
+    unit vectors' rounding bounds its error (`tolerance`), which is all the exactness
+    check of knn_search needs."""
+
+    DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}   # the candidate pass, per device type
+    BLOCK = 64    # columns per block maximum (_top_candidates)
 
     def __init__(self, train: torch.Tensor, device: torch.device):
-        self.train = train.to(device)
         self.device = device
-        self.precision = "high" if device.type == "cuda" else "highest"
+        self.train = train.to(device)                                    # raw, float32: the re-rank's
+        self.inv_norm = _inverse_norms(self.train)
+        self.dtype = self.DTYPES.get(device.type, torch.float32)
+        self.unit = normalize(self.train).to(self.dtype)                 # the candidate pass's
         n = train.shape[0]
-        self.rows = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // (4 * n)))
+        self.rows = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // (self.unit.element_size() * n)))
 
     def tolerance(self, d: int) -> float:
         """A bound, with a factor 2 to spare, on |candidate-pass similarity - exact| for
-        unit vectors: operand rounding (2u, since sum |q_i t_i| <= 1) plus float32
-        accumulation over d terms."""
-        u = _TF32_U if self.precision == "high" else 2.0**-24
-        return 2.0 * (2.0 * u + d * 2.0**-24)
+        unit vectors: operand rounding (2u, since sum |q_i t_i| <= 1), float32 accumulation
+        over d terms, and the result's rounding to the pass's dtype (u)."""
+        u = _UNIT[self.dtype]
+        return 2.0 * (3.0 * u + d * 2.0**-24)
 
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         sims, idx = [], []
-        q = q.to(self.device)
-        with torch.no_grad(), _matmul_precision(self.precision):
-            for s in range(0, q.shape[0], self.rows):
-                v, i = (q[s:s + self.rows] @ self.train.T).topk(k, dim=1)
+        unit = normalize(q.to(self.device)).to(self.dtype)
+        with torch.no_grad(), _matmul_precision("highest"), _fp32_accumulation():
+            for s in range(0, unit.shape[0], self.rows):
+                v, i = _top_candidates(unit[s:s + self.rows] @ self.unit.T, k, self.BLOCK)
                 sims.append(v)
                 idx.append(i)
         return torch.cat(sims), torch.cat(idx)
 
     def exact(self, q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return _exact_similarities(q.to(self.device), self.train, idx)
+        q = q.to(self.device)
+        return _exact_similarities(q, _inverse_norms(q), self.train, self.inv_norm, idx)
 
 
 class _FaissSearch:
@@ -255,24 +303,37 @@ class _FaissSearch:
             self.index = faiss.GpuIndexFlatIP(self.res, d, conf)
         else:
             self.index = faiss.IndexFlatIP(d)
-        self.index.add(train.numpy())
+        self.index.add(normalize(train).numpy())
+        self.inv_norm = _inverse_norms(train)
 
     def tolerance(self, d: int) -> float:
         return 2.0 * (2.0 * 2.0**-24 + d * 2.0**-24)
 
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sims, idx = self.index.search(q.numpy(), k)
+        sims, idx = self.index.search(normalize(q).numpy(), k)
         return torch.from_numpy(sims), torch.from_numpy(idx).long()
 
     def exact(self, q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return _exact_similarities(q, self.train, idx)
+        return _exact_similarities(q, _inverse_norms(q), self.train, self.inv_norm, idx)
 
 
-def _exact_similarities(q: torch.Tensor, train: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """float64 cosines of each query with its candidates, by one fixed computation
-    (elementwise product + row sum) so identical vectors get bit-identical values."""
-    cand = train[idx].double()                      # (q, c, d)
-    return (cand * q.double().unsqueeze(1)).sum(-1)  # (q, c)
+def _inverse_norms(x: torch.Tensor, rows: int = 65536) -> torch.Tensor:
+    """1 / |x_i| in float64 (0 for a zero row, as F.normalize leaves it at 0), in chunks."""
+    out = torch.empty(x.shape[0], dtype=torch.float64, device=x.device)
+    for s in range(0, x.shape[0], rows):
+        norm = torch.linalg.vector_norm(x[s:s + rows].double(), dim=1)
+        out[s:s + rows] = torch.where(norm > 0, 1.0 / norm, torch.zeros_like(norm))
+    return out
+
+
+def _exact_similarities(q: torch.Tensor, q_inv: torch.Tensor, train: torch.Tensor, train_inv: torch.Tensor,
+                        idx: torch.Tensor) -> torch.Tensor:
+    """float64 cosines of each query with its candidates from the raw features, by one
+    fixed computation (elementwise product + row sum, times the float64 inverse norms) so
+    identical vectors get bit-identical values."""
+    cand = train[idx].double()                                  # (q, c, d)
+    dots = (cand * q.double().unsqueeze(1)).sum(-1)             # (q, c)
+    return dots * train_inv[idx] * q_inv.unsqueeze(1)
 
 
 def _canonical_order(sims: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,41 +353,61 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     chunk_size: queries per chunk (default: what fits the memory budget); the result
     does not depend on it. device: where the search runs (default: the GPU if any).
     """
-    train = normalize(_features(train_features, "train features"))
-    test = normalize(_features(test_features, "test features"))
+    name, dev = resolve_backend(backend, device)
+    where = dev if name == "torch" else torch.device("cpu")   # where the features are searched
+    train = _features(train_features, "train features", where)
+    test = _features(test_features, "test features", where)
     if train.shape[1] != test.shape[1]:
         raise UserError(f"train features have dim {train.shape[1]}, test features {test.shape[1]}: "
                         "they must come from the same backbone")
     n, d = train.shape
     k = check_ks([k], n)[0]
-    name, dev = resolve_backend(backend, device)
     search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev)
     # A training feature whose candidate-pass similarity is below (k-th exact - tol)
     # cannot be among the k nearest: tol bounds the candidate pass's rounding.
     tol = search.tolerance(d)
-    margin = max(8, k // 2) if tol < 1e-4 else max(16, k)  # a coarser pass needs more candidates
+    # a coarser pass needs more candidates for its check to pass at once
+    margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
     if chunk_size is None:
         chunk_size = _CHUNK_BYTES // (16 * d * min(n, 4 * (k + margin)))
+        # one candidate matmul per chunk: a remainder would read the train features again
+        chunk_size = min(chunk_size, getattr(search, "rows", chunk_size))
     chunk_size = int(max(1, min(_MAX_CHUNK, chunk_size)))
 
-    out_s = torch.empty(test.shape[0], k, dtype=torch.float64)
-    out_i = torch.empty(test.shape[0], k, dtype=torch.int64)
+    at = search.device   # results stay there until the end: one copy back, not one per chunk
+    out_s = torch.empty(test.shape[0], k, dtype=torch.float64, device=at)
+    out_i = torch.empty(test.shape[0], k, dtype=torch.int64, device=at)
     for start in range(0, test.shape[0], chunk_size):
-        rows = torch.arange(start, min(start + chunk_size, test.shape[0]))
+        rows = torch.arange(start, min(start + chunk_size, test.shape[0]), device=test.device)
         kc = min(n, k + margin)
         while rows.numel():
             q = test[rows]
             approx, cand = search(q, kc)
+            cand = cand.to(at)
             exact, cand = _canonical_order(search.exact(q, cand), cand)
             if kc >= n:
-                done = torch.ones(rows.numel(), dtype=torch.bool)
+                done = torch.ones(rows.numel(), dtype=torch.bool, device=at)
             else:  # the search's last (smallest) candidate must be clearly below the k-th
-                done = (approx[:, -1].double() < exact[:, k - 1] - tol).cpu()
-            out_s[rows[done]] = exact[done.to(exact.device), :k].cpu()
-            out_i[rows[done]] = cand[done.to(cand.device), :k].cpu()
-            rows = rows[~done]
+                done = approx[:, -1].to(at, torch.float64) < exact[:, k - 1] - tol
+            mine = rows.to(at)[done]
+            out_s[mine] = exact[done, :k]
+            out_i[mine] = cand[done, :k]
+            rows = rows[~done.to(rows.device)]
             kc = min(n, 4 * kc)
-    return out_s, out_i
+    return out_s.cpu(), out_i.cpu()
+
+
+def query_neighbours(train_features, test_features, queries, k: int, backend: str = "auto",
+                     device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(similarities, train indices), each (len(queries), k): the neighbours the evaluator's
+    search gives the test features at `queries`, for pictures of what the k-NN votes with.
+    A row of knn_search depends only on its own query (exact re-rank, canonical order), so
+    these equal the rows knn_evaluate and online_knn vote with."""
+    test = _features(test_features, "test features")
+    q = torch.as_tensor(queries, dtype=torch.int64).reshape(-1)
+    if q.numel() == 0 or int(q.min()) < 0 or int(q.max()) >= test.shape[0]:
+        raise UserError(f"query indices must lie in 0..{test.shape[0] - 1} (the test split)")
+    return knn_search(train_features, test[q], k, backend, device=device)
 
 
 # --------------------------------------------------------------------------- votes
@@ -388,19 +469,45 @@ def knn_evaluate(train_features, train_labels, test_features, test_labels, num_c
 
 # --------------------------------------------------------------------------- online (training)
 
+# The eval images a trainer's k-NN keeps between calls (`online_knn(cache=...)`), at most:
+# Fashion-MNIST and CIFAR fit (70k x 3 x 32 x 32 float32: 0.9 GB), ImageNet does not.
+_CACHE_BYTES = 2 * 2**30
+
+
+def _cached_batches(loader, n: int, device, cache: dict, key: str, budget: int):
+    """The loader's batches on `device`, kept in `cache[key]`, when all n images fit in
+    `budget` bytes; else the loader itself (and cache[key] = False: do not try again)."""
+    batches = []
+    for batch in loader:
+        x, y = batch[0].to(device, non_blocking=True), torch.as_tensor(batch[1]).to(device, non_blocking=True)
+        if not batches and x[:1].nbytes * n > budget:
+            cache[key] = False
+            return loader
+        batches.append((x, y))
+    cache[key] = batches
+    return batches
+
+
 def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, batch_size: int = 256,
                num_workers: int = 0, backend: str = "auto", amp_dtype=None,
-               train_split: str = "train", keep_features: bool = False) -> dict:
+               train_split: str = "train", keep_features: bool = False, cache: dict | None = None) -> dict:
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
-    its train/eval mode is restored. Every rank must call it (extraction is sharded);
+    its train/eval mode is restored. batch_size is global (each process extracts its
+    shard: dist.share). Every rank must call it (extraction is sharded);
     the search runs on rank 0 and the result is broadcast to all. Returns
     {'knn': {k: {'top1': %, 'top5': %}}, 'knn_k': the headline k (the largest k <= 20,
     DINO's k=20 by default), 'knn_top1', 'knn_top5' (at knn_k), 'n_train', 'n_test'}:
     log 'knn_top1' with the epoch in log.jsonl, which the viz command plots.
     keep_features: rank 0's result also holds 'features': {'train': (f, y), 'test': (f, y)}
-    (CPU tensors, for a linear probe on the same extraction); it is not broadcast.
+    (CPU tensors, for a linear probe or a neighbours grid on the same extraction) and
+    'datasets': {'train': ..., 'test': ...} (eval-transformed, the features' order); they
+    are not broadcast.
+    cache: a dict the caller keeps between calls (one process only): the first call puts
+    each split's eval images there, on `device`, as the loader made them (when they fit in
+    _CACHE_BYTES), and later calls extract from them in the same batches, with no dataset,
+    workers or transforms: the same features, without the loader's cost at every call.
     """
     import resmlp.data as rdata
     from resmlp.core import dist
@@ -408,11 +515,19 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
 
     temperature = check_temperature(temperature)
     transform = rdata.build_eval_transform(data_cfg)
-    out = {}
+    device = torch.device(device)
+    out, datasets = {}, {}
+    keep = cache is not None and dist.world_size() == 1
     for split in (train_split, "test"):
-        ds = rdata.build_dataset(data_cfg, split, transform=transform)
-        loader = rdata.build_loader(ds, batch_size, train=False, num_workers=num_workers, seed=0)
-        out[split] = extract_features(model, loader, device, amp_dtype, desc=f"knn {split}")
+        batches, ds = (cache.get(split) if keep else None), None
+        if not batches:
+            ds = rdata.build_dataset(data_cfg, split, transform=transform)
+            batches = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
+            if keep and split not in cache:
+                batches = _cached_batches(batches, len(ds), device, cache, split, _CACHE_BYTES)
+        if keep_features:  # the pictures index the images themselves, cached batches or not
+            datasets[split] = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
+        out[split] = extract_features(model, batches, device, amp_dtype, desc=f"knn {split}")
     result = None
     if dist.is_main():
         (ftr, ytr), (fte, yte) = out[train_split], out["test"]
@@ -425,6 +540,7 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     result = dist.broadcast_object(result)
     if keep_features and dist.is_main():
         result["features"] = {"train": out[train_split], "test": out["test"]}
+        result["datasets"] = {"train": datasets[train_split], "test": datasets["test"]}
     return result
 
 
@@ -484,6 +600,8 @@ def check_knn_config(cfg) -> None:
 
 
 def run(cfg) -> int:
+    from resmlp.data.datasets import require_classes
+    require_classes(cfg.data, "a k-NN accuracy")
     from resmlp.eval.command import eval_command
     check_knn_config(cfg)
     return eval_command(knn_command)(cfg)

@@ -29,6 +29,7 @@ import torch
 
 from resmlp.core import dist
 from resmlp.core.errors import UserError
+from resmlp.data.datasets import require_classes
 from resmlp.eval.knn import topk_correct
 
 CACHED_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # base lrs (batch 256)
@@ -297,6 +298,7 @@ def linear_command(cfg, bb) -> dict | None:
 
 
 def run(cfg) -> int:
+    require_classes(cfg.data, "a linear probe's accuracy")
     from resmlp.eval.command import eval_command
     check_linear_config(cfg)
     return eval_command(linear_command)(cfg)

@@ -14,6 +14,14 @@ curves.png: training curves from the run dir's log.jsonl, when there is one: los
   lr over iterations (lines with "iteration"/"loss"/"lr"), k-NN top-1 (and linear
   top-1) over epochs (lines with "epoch" and "knn_top1" / "linear_top1"). Missing keys
   and unreadable lines are skipped.
+neighbours.png (eval/neighbours.py): viz.queries seeded test images spread over the
+  classes, each with its viz.k (`k=`, 5) nearest training images under the k-NN
+  evaluator's own search, on the k-NN command's features (its cache); indices and
+  similarities in viz.json.
+patch_pca.png (eval/patch_pca.py): for viz.pca_images of those test images, the patch
+  tokens before pooling on their first 3 principal components as RGB at the patch grid,
+  and the first component thresholded (viz.pca_threshold); at viz.pca_size px (null: the
+  data's size), any size the backbone takes.
 viz.json: the numbers behind the figures. Everything goes to cfg.out, else
 <run dir>/viz/ (beside a foreign checkpoint file: <its folder>/viz/; timm:<name>:
 runs/eval/<name>/viz/).
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +40,28 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.errors import UserError
+from resmlp.eval.figure import new_figure
 
-FIGURES = ("cross_patch", "sparsity", "curves")
+WEIGHT_FIGURES = ("cross_patch", "sparsity", "curves")
+FEATURE_FIGURES = ("neighbours", "patch_pca")
+FIGURES = WEIGHT_FIGURES + FEATURE_FIGURES
 THRESHOLD = 0.05
+
+
+@dataclass
+class FeatureInputs:
+    """What the feature figures need besides the backbone: the data and, for the
+    neighbours, the k-NN's features of both splits (eval.command.split_features)."""
+    data_cfg: object
+    features: dict | None = None     # {'train': split_features(...), 'test': ...}
+    k: int = 5
+    queries: int = 8
+    pca_images: int = 4
+    pca_size: int | None = None
+    pca_threshold: float = 0.5
+    seed: int = 0
+    backend: str = "auto"
+    device: object = None
 
 
 # --------------------------------------------------------------------------- weights
@@ -43,7 +71,7 @@ def as_resmlp(model: nn.Module, info: dict) -> nn.Module:
     from resmlp.models import ResMLP
     if isinstance(model, ResMLP):
         return model
-    from resmlp.models.checkpoints import resmlp_from_state_dict
+    from resmlp.models.load import resmlp_from_state_dict
     try:
         return resmlp_from_state_dict(model.state_dict(), str(info.get("spec")))[0]
     except UserError:
@@ -175,21 +203,13 @@ def curve_series(rows: list[dict]) -> dict:
 
 # --------------------------------------------------------------------------- drawing
 
-def _figure(w: float, h: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(w, h))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def draw_cross_patch(mats: list[torch.Tensor], grid: tuple[int, int], c: int, path: Path,
                      title: str, dpi: int = 150) -> None:
     import matplotlib
     n = len(mats)
     ncols = min(n, 6)
     nrows = math.ceil(n / ncols)
-    fig = _figure(max(2.2 * ncols, 6.0), 2.35 * nrows + 0.7)
+    fig = new_figure(max(2.2 * ncols, 6.0), 2.35 * nrows + 0.7)
     cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="white")
     for i, a in enumerate(mats):
         ax = fig.add_subplot(nrows, ncols, i + 1)
@@ -203,7 +223,7 @@ def draw_cross_patch(mats: list[torch.Tensor], grid: tuple[int, int], c: int, pa
 
 
 def draw_sparsity(sp: dict, path: Path, title: str, threshold: float, dpi: int = 150) -> None:
-    fig = _figure(5.5, 3.8)
+    fig = new_figure(5.5, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     layers = np.arange(1, len(sp["mlp"]) + 1)
     if any(v is not None for v in sp["A"]):
@@ -227,7 +247,7 @@ def draw_curves(series: dict, path: Path, title: str, dpi: int = 150) -> None:
     panels = [k for k in ("loss", "lr") if k in series]
     evals = [k for k in ("knn_top1", "linear_top1") if k in series]
     n = len(panels) + (1 if evals else 0)
-    fig = _figure(4.2 * n, 3.4)
+    fig = new_figure(4.2 * n, 3.4)
     for i, key in enumerate(panels):
         ax = fig.add_subplot(1, n, i + 1)
         x, y = zip(*series[key])
@@ -270,26 +290,42 @@ def _figures(value) -> list[str]:
     return figs
 
 
-def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, central=None,
-                 threshold: float = THRESHOLD, dpi: int = 150, log=print) -> dict:
-    """Draw the requested figures of `model` into out_dir; return viz.json's content."""
-    from resmlp.models.checkpoints import describe
-
+def weight_inputs(model: nn.Module, info: dict, figures, central=None, threshold: float = THRESHOLD):
+    """(the ResMLP whose weights are drawn, its A matrices or None, the central c or None),
+    or the UserError that stops the weight figures: checked before any feature is extracted."""
     if not 0 < threshold < 1:
         raise UserError(f"viz.threshold={threshold} must be between 0 and 1 (the paper uses 0.05)")
+    if any(f in figures for f in ("cross_patch", "sparsity")):
+        model = as_resmlp(model, info)
+    if "cross_patch" not in figures:
+        return model, None, None
+    mats = cross_patch_matrices(model)
+    grid = tuple(model.grid_size)
+    c = default_central(grid) if central is None else int(central)
+    if not 1 <= c <= min(grid):
+        raise UserError(f"viz.central={central} must be between 1 and {min(grid)} "
+                        f"(the {grid[0]}x{grid[1]} patch grid)")
+    return model, mats, c
+
+
+def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIGURES, central=None,
+                 threshold: float = THRESHOLD, dpi: int = 150, log=print,
+                 inputs: FeatureInputs | None = None) -> dict:
+    """Draw the requested figures of `model` into out_dir; return viz.json's content.
+    The feature figures (neighbours, patch_pca) need `inputs`."""
+    from resmlp.models.load import describe
+
+    if any(f in FEATURE_FIGURES for f in figures) and inputs is None:
+        raise UserError(f"viz.figures={list(figures)}: {', '.join(FEATURE_FIGURES)} need the data "
+                        "and features (FeatureInputs)")
+    backbone = model   # the feature figures read the backbone as loaded (timm's too)
+    model, mats, c = weight_inputs(model, info, figures, central, threshold)
     out_dir = Path(out_dir)
     label = f"{info.get('model')} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
     result: dict = {"loaded": describe(info), "files": [], "notes": []}
-    needs_model = [f for f in figures if f in ("cross_patch", "sparsity")]
-    if needs_model:
-        model = as_resmlp(model, info)
-    mats = cross_patch_matrices(model) if "cross_patch" in figures else None
     out_dir.mkdir(parents=True, exist_ok=True)
     if "cross_patch" in figures:
         grid = tuple(model.grid_size)
-        c = default_central(grid) if central is None else int(central)
-        if not 1 <= c <= min(grid):
-            raise UserError(f"viz.central={central} must be between 1 and {min(grid)} (the {grid[0]}x{grid[1]} patch grid)")
         path = out_dir / "cross_patch.png"
         draw_cross_patch(mats, grid, c, path,
                          f"{label}\nrows of A for the central {c}x{c} patches, "
@@ -322,6 +358,8 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, c
                 result["files"].append(path.name)
             else:
                 result["notes"].append(f"{log_path} has no loss / lr / knn_top1 values: no curves")
+    if any(f in FEATURE_FIGURES for f in figures):
+        result.update(feature_figures(backbone, inputs, out_dir, figures, label, dpi, result["files"]))
     result["files"].append("viz.json")
     if log:
         for note in result["notes"]:
@@ -330,17 +368,96 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=FIGURES, c
     return result
 
 
+def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, figures, label: str,
+                    dpi: int, files: list) -> dict:
+    """neighbours.png and patch_pca.png (those of them in `figures`); viz.json's entries."""
+    from omegaconf import OmegaConf
+
+    import resmlp.data as rdata
+    from resmlp.eval.knn import backend_name
+    from resmlp.eval.neighbours import neighbours_figure, pick_queries, shown_images
+    from resmlp.eval.patch_pca import draw_patch_pca, patch_pca
+
+    data_cfg, out = inputs.data_cfg, {}
+    test_set = rdata.build_dataset(data_cfg, "test", transform=rdata.build_eval_transform(data_cfg))
+    names = list(getattr(test_set, "classes", None) or [])
+    if "neighbours" in figures:
+        tr, te = inputs.features["train"], inputs.features["test"]
+        train_set = rdata.build_dataset(data_cfg, "train", transform=rdata.build_eval_transform(data_cfg))
+        queries = pick_queries(te["labels"], inputs.queries, inputs.seed)
+        fig, nb = neighbours_figure(tr["features"], tr["labels"], train_set, te["features"], te["labels"],
+                                    test_set, queries, data_cfg, names, f"{label}: {data_cfg.name} test queries",
+                                    inputs.k, inputs.backend, inputs.device, dpi)
+        fig.savefig(out_dir / "neighbours.png", dpi=dpi)
+        files.append("neighbours.png")
+        backend = backend_name(inputs.backend, inputs.device)
+        out["neighbours"] = {"split": "test -> train", "seed": inputs.seed,
+                             "search": f"eval.knn.query_neighbours, backend {backend}",
+                             "train_cache": tr.get("cache"), "test_cache": te.get("cache"), **nb}
+    if "patch_pca" in figures:
+        size = int(inputs.pca_size or data_cfg.img_size)
+        pca_cfg = OmegaConf.merge(data_cfg, {"img_size": size}) if size != data_cfg.img_size else data_cfg
+        pca_set = test_set if pca_cfg is data_cfg else rdata.build_dataset(
+            pca_cfg, "test", transform=rdata.build_eval_transform(pca_cfg))
+        idx = pick_queries(test_set.targets, inputs.pca_images, inputs.seed)
+        res = patch_pca(backbone, torch.stack([torch.as_tensor(pca_set[i][0]) for i in idx]), inputs.pca_threshold)
+        shown = shown_images(pca_set, idx, *rdata.mean_std(pca_cfg))
+        ys = [int(test_set.targets[i]) for i in idx]
+        titles = [f"#{i} {names[y] if 0 <= y < len(names) else y}" for i, y in zip(idx, ys)]
+        h, w = res["grid"]
+        adapt = f", grid_adapt={res['grid_adapt']}" if res["grid_adapt"] not in (None, "none") else ""
+        fig = draw_patch_pca(res, shown, titles, f"{label}: patch tokens before pooling at {size} px "
+                             f"({h}x{w} patches{adapt}); PCA fitted over the {len(idx)} images' patches", dpi)
+        fig.savefig(out_dir / "patch_pca.png", dpi=dpi)
+        files.append("patch_pca.png")
+        out["patch_pca"] = {"images": idx, "labels": ys, "img_size": size, "grid": [h, w],
+                            "grid_adapt": res["grid_adapt"], "threshold": res["threshold"],
+                            "explained_variance_ratio": [float(r) for r in res["explained_variance_ratio"]],
+                            "foreground_fraction": [float(m.mean()) for m in res["mask"]],
+                            "orientation": "PC1: border patches score lower on average; PC2, PC3: "
+                                           "largest loading positive"}
+    return out
+
+
+def check_viz_config(v) -> None:
+    """Bad viz values fail before the backbone is loaded or a feature extracted (the
+    numbers' ranges: the limits of configs/method/viz.yaml)."""
+    from resmlp.eval.knn import check_ks
+    _figures(v.figures)
+    if len(check_ks(v.k, 2**62, "viz.k")) != 1:
+        raise UserError(f"k={v.k}: the neighbours grid takes one k (e.g. k=5)")
+
+
 def viz_command(cfg, bb) -> dict | None:
-    """bash run.sh viz <ckpt | run dir | timm:<name>> [viz.central=4] [viz.figures=[...]]"""
+    """bash run.sh viz <ckpt | run dir | timm:<name>> [k=5] [viz.central=4] [viz.figures=[...]]"""
     from resmlp.core import dist
-    if not dist.is_main():  # nothing to share: one process draws
-        return None
+    from resmlp.eval.command import split_features
+    from resmlp.eval.knn import check_ks
     v = cfg.viz
-    return make_figures(bb.model, bb.info, bb.out_dir, _figures(v.figures), v.central, float(v.threshold),
-                        int(v.dpi))
+    figures = _figures(v.figures)
+    weight_inputs(bb.model, bb.info, figures, v.central, float(v.threshold))
+    features = None
+    if "neighbours" in figures:  # every process extracts its shard, as for the knn command
+        features = {split: split_features(cfg, bb, split) for split in ("train", "test")}
+    if not dist.is_main():  # one process draws
+        return None
+    inputs = None
+    if any(f in FEATURE_FIGURES for f in figures):
+        n_train = features["train"]["features"].shape[0] if features else 2**62
+        inputs = FeatureInputs(cfg.data, features, check_ks(v.k, n_train, "viz.k")[0], int(v.queries), int(v.pca_images),
+                               v.pca_size, float(v.pca_threshold), int(cfg.seed), str(cfg.knn.backend), bb.device)
+    return make_figures(bb.model, bb.info, bb.out_dir, figures, v.central, float(v.threshold), int(v.dpi),
+                        inputs=inputs)
+
+
+def results_dir(cfg) -> Path:
+    from resmlp.eval.command import results_dir as under
+    return under(cfg, "viz")
 
 
 def run(cfg) -> int:
     from resmlp.eval.command import eval_command
-    _figures(cfg.viz.figures)
-    return eval_command(viz_command, sub_dir="viz", device="cpu")(cfg)
+    check_viz_config(cfg.viz)
+    # on the CPU when only weights are drawn; the features want the command's device
+    device = None if "neighbours" in _figures(cfg.viz.figures) else "cpu"
+    return eval_command(viz_command, sub_dir="viz", device=device)(cfg)

@@ -3,6 +3,8 @@
 Importing this package registers resmlp_s12 / s24 / s36 / b24 with timm, so
 `timm.create_model('resmlp_s12')` works too.
 """
+from resmlp.models.convert import LoadReport, convert_state_dict, detect_format, export_state_dict, load_pretrained
+from resmlp.models.fold import fold_affine
 from resmlp.models.resmlp import (
     ARCHS,
     CROSS_PATCHES,
@@ -15,16 +17,10 @@ from resmlp.models.resmlp import (
     CrossPatchConv,
     CrossPatchLinear,
     CrossPatchMLP,
-    LoadReport,
     ResMLP,
     ResMLPBlock,
     adapt_token_mixing,
-    convert_state_dict,
     create_resmlp,
-    detect_format,
-    export_state_dict,
-    fold_affine,
-    load_pretrained,
 )
 
 

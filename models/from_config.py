@@ -1,4 +1,5 @@
-"""Build a model from a config's `model:` section: our ResMLPs, or any timm model."""
+"""Build a model from a config's `model:` section: our ResMLPs (their builders are registered
+in resmlp.py), or any timm model (`create_timm`)."""
 from __future__ import annotations
 
 import torch.nn as nn
@@ -28,9 +29,21 @@ def build_model(model_cfg, num_classes: int = 0) -> nn.Module:
     return model
 
 
+def create_timm(name: str, **kwargs) -> nn.Module:
+    """timm.create_model, retried without img_size for architectures that take none
+    (a convnet): every command builds timm models through here."""
+    import timm
+    try:
+        return timm.create_model(name, **kwargs)
+    except TypeError:
+        if "img_size" not in kwargs:
+            raise
+        kwargs = {k: v for k, v in kwargs.items() if k != "img_size"}
+        return timm.create_model(name, **kwargs)
+
+
 def _create(model_cfg, num_classes: int) -> nn.Module:
     from resmlp.models import create_model, list_models
-    from resmlp.models.checkpoints import create_timm
     name = model_cfg.name
     kwargs = model_kwargs(model_cfg)
     if name in list_models():

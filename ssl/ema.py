@@ -17,3 +17,19 @@ def update_teacher(teacher: nn.Module, student: nn.Module, momentum: float) -> N
     if len(t) != len(s):
         raise RuntimeError("teacher and student have different parameter lists")
     torch._foreach_lerp_(t, s, 1.0 - momentum)
+
+
+@torch.no_grad()
+def update_teacher_by(teacher: nn.Module, student: nn.Module, weight: torch.Tensor) -> None:
+    """The same average with the student's weight 1 - momentum as a 0-dim tensor on the
+    device (a CUDA graph reads it anew at each replay): teacher += weight * (student - teacher).
+
+    Written out because torch's multi-tensor lerp takes its weight as a number only (a
+    tensor would be read on the host, a sync the graph cannot hold)."""
+    t = list(teacher.parameters())
+    s = list(student.parameters())
+    if len(t) != len(s):
+        raise RuntimeError("teacher and student have different parameter lists")
+    step = torch._foreach_sub(s, t)
+    torch._foreach_mul_(step, weight)
+    torch._foreach_add_(t, step)

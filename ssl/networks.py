@@ -3,7 +3,8 @@
 Crops of one resolution go through the backbone as one batch (as in DINO's
 MultiCropWrapper); the head then sees every crop's pooled feature at once. For a
 ResMLP the smaller local crops only pass when the backbone's `grid_adapt` is
-`interpolate` or `subgrid`; with `resize` they arrive at the global size already.
+`interpolate` or `subgrid`, which the crop plan (resmlp.data.crop_plan) names; with
+`resize` they arrive at the global size already.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class DinoHooks:
         drop_path_rate 0) in place of models.from_config.build_model.
     head(head, dino_cfg) -> nn.Module: receives each head as built (student and teacher
         alike) and returns the head to use.
-    views(views, cfg): once the data path (ssl.crop_plan.DinoViews) is built.
+    views(views, cfg): once the data path (data.crop_plan.DinoViews) is built.
     step(step, cfg): once the step (ssl.step.DinoStep) is built, before any iteration.
     """
     backbone: Callable | None = None
@@ -61,19 +62,20 @@ class DinoHooks:
     step: Callable | None = None
 
 
-def build_networks(cfg, device, hooks: DinoHooks | None = None):
-    """Student and teacher: same backbone + head; the teacher is a separate build that
-    loads the student's weights (lightly's weight-normed head cannot be deep-copied)."""
+def build_networks(cfg, plan, device, hooks: DinoHooks | None = None):
+    """Student and teacher for the crops of `plan` (a resmlp.data.crop_plan.CropPlan): same
+    backbone + head; the teacher is a separate build that loads the student's weights
+    (lightly's weight-normed head cannot be deep-copied)."""
     from resmlp.models.from_config import build_model
     hooks = hooks or DinoHooks()
     backbone = hooks.backbone or (lambda model_cfg: build_model(model_cfg, num_classes=0))
     student_backbone = backbone(cfg.model)
     teacher_backbone = backbone(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}))
-    if cfg.dino.local_crops in ("interpolate", "subgrid"):
+    if plan.grid_adapt != "none":
         if not hasattr(student_backbone, "grid_adapt"):
-            raise UserError(f"dino.local_crops={cfg.dino.local_crops} needs a ResMLP backbone; "
+            raise UserError(f"dino.local_crops={plan.strategy} needs a ResMLP backbone; "
                             f"use resize or none for {cfg.model.name}")
-        student_backbone.grid_adapt = cfg.dino.local_crops
+        student_backbone.grid_adapt = plan.grid_adapt
     dim = student_backbone.num_features
     head = hooks.head or (lambda h, dino_cfg: h)
     student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino)).to(device)

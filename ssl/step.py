@@ -11,6 +11,9 @@ logs or saves, so the host can queue the next iterations while the device works.
 non-finite loss is therefore noticed at the next read, not at once: the weights may turn
 non-finite in between, which is why every checkpoint is preceded by a read and the run
 stops instead of saving (the last good checkpoint stays as it was).
+
+With dino.cuda_graphs the same update runs as one captured CUDA graph (ssl/graphs.py),
+its per-iteration values read from device tensors.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.engine import DeviceTally
+from resmlp.ssl.clip import clip_per_parameter
 from resmlp.ssl.ema import update_teacher
 from resmlp.ssl.health import teacher_stats
 
@@ -39,6 +43,7 @@ class DinoStep:
     forward_student: object = None   # torch.compile'd versions, when compiling
     forward_teacher: object = None
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
+    graphed: object = None           # ssl.graphs.GraphedStep, with dino.cuda_graphs
 
     @property
     def raw_student(self) -> nn.Module:
@@ -46,11 +51,32 @@ class DinoStep:
 
     def __call__(self, crops: list[torch.Tensor], lr: float, weight_decay: float, momentum: float,
                  teacher_temp: float, epoch: int):
-        """One update. Returns (loss, teacher output, center used), all on the device."""
+        """One update. Returns (loss, teacher output, center used), all on the device (with
+        dino.cuda_graphs: buffers the next call overwrites)."""
+        if self.graphed is not None:
+            return self.graphed(crops, lr, weight_decay, momentum, teacher_temp, epoch)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
             if g.get("name") == "decay":
                 g["weight_decay"] = weight_decay
+        loss, t_out, center, stats = self.forward_loss(crops, teacher_temp)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        clip_per_parameter(self.raw_student.parameters(), self.clip_grad)
+        self.raw_student.head.cancel_last_layer_gradients(epoch)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        update_teacher(self.teacher, self.raw_student, momentum)
+        loss, t_out = loss.detach(), t_out.detach()
+        self.tally.add(loss, **stats)
+        return loss, t_out, center
+
+    def forward_loss(self, crops: list[torch.Tensor], teacher_temp) -> tuple:
+        """Teacher and student forward, the targets and the loss (+ KoLeo), which also moves
+        the center: (loss, teacher output, the center before the move, the statistics the
+        tally sums: the targets' health and the KoLeo term). teacher_temp: a float, or a
+        0-dim tensor on the device (the graphed step's)."""
         with self.autocast():
             teacher = self.teacher if self.forward_teacher is None else self.forward_teacher
             student = self.student if self.forward_student is None else self.forward_student
@@ -62,76 +88,56 @@ class DinoStep:
         # The head's last layer already ran in fp32 (head.head_forward); so does the
         # loss: a softmax over tens of thousands of prototypes is not for bf16.
         center = self.loss_fn.center.detach().clone()
+        buffer = self.loss_fn.center
+        kept = buffer.data
         t_out = t_out.float()
         targets = self.loss_fn.targets(t_out, teacher_temp)  # with the center before this step moves it
         loss = self.loss_fn(list(t_out.chunk(2)), list(s_out.float().chunk(self.n_crops)),
                             teacher_temp=teacher_temp, targets=targets)
-        stats = {}
+        # lightly gives the center new storage at every call (`center.data = ...`); a CUDA
+        # graph would keep reading the old one. The new values go back into the one buffer.
+        kept.copy_(buffer.data)
+        buffer.data = kept
+        stats = teacher_stats(targets)
         if self.koleo_weight:
             stats["koleo"] = self.loss_fn.koleo(s_features)
             loss = loss + self.koleo_weight * stats["koleo"]
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.optimizer)
-        clip_per_parameter(self.raw_student.parameters(), self.clip_grad)
-        self.raw_student.head.cancel_last_layer_gradients(epoch)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        update_teacher(self.teacher, self.raw_student, momentum)
-        loss, t_out = loss.detach(), t_out.detach()
-        self.tally.add(loss, **teacher_stats(targets), **stats)
-        return loss, t_out, center
+        return loss, t_out, center, stats
 
     def read(self) -> dict:
         """What accumulated since the last read (DeviceTally.read: the sync point)."""
         return self.tally.read()
 
 
-@torch.no_grad()
-def clip_per_parameter(parameters, max_norm: float) -> None:
-    """DINO's clipping: each parameter's gradient norm is clipped on its own to max_norm.
-
-    The same arithmetic as DINO's per-parameter loop, in a handful of kernels and with no
-    read on the host: the norms are stacked once, every scale min(1, max_norm / (norm +
-    1e-6)) is computed together, then spread to one full-size factor per gradient so that
-    the multiply takes torch's fused multi-tensor path (it needs equal shapes pairwise; a
-    0-dim factor per gradient would fall back to one kernel per parameter)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads or max_norm <= 0:
-        return
-    norms = torch.stack(torch._foreach_norm(grads))
-    scales = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
-    spread = torch.cat([s.expand(g.numel()) for s, g in zip(scales.unbind(0), grads)])
-    factors = [f.view(g.shape) for f, g in zip(spread.split([g.numel() for g in grads]), grads)]
-    torch._foreach_mul_(grads, factors)
-
-
-def build_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
     """AdamW over our parameter groups; fused into one kernel per group on CUDA (the
-    same update, without a launch per parameter)."""
+    same update, without a launch per parameter); capturable for a CUDA graph."""
     from resmlp.core.optim import param_groups
-    return torch.optim.AdamW(param_groups(model), lr=0.0, weight_decay=0.0, fused=device.type == "cuda")
+    return torch.optim.AdamW(param_groups(model), lr=0.0, weight_decay=0.0, fused=device.type == "cuda",
+                             capturable=capturable)
 
 
-def build_dino_step(cfg, device: torch.device, scaler: torch.amp.GradScaler | None = None,
+def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScaler | None = None,
                     autocast=contextlib.nullcontext, world_size: int = 1, hooks=None) -> DinoStep:
-    """Student, teacher, the loss, AdamW, DDP and torch.compile as `cfg` says: the step
-    the trainer runs and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies)."""
-    from resmlp.ssl.crop_plan import crop_plan
+    """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
+    `cfg` says, for the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs
+    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies)."""
+    from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
-    plan = crop_plan(cfg)
-    student, teacher = build_networks(cfg, device, hooks)
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
+    graphs = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, world_size, scaler.is_enabled())
+    student, teacher = build_networks(cfg, plan, device, hooks)
     loss_fn = build_dino_loss(cfg.dino).to(device)
-    optimizer = build_optimizer(student, device)
+    optimizer = build_optimizer(student, device, capturable=graphs)
     trained = student
     if world_size > 1:
         trained = torch.nn.parallel.DistributedDataParallel(
             student, device_ids=[device.index] if device.type == "cuda" else None)
-    step = DinoStep(trained, teacher, loss_fn, optimizer,
-                    scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False),
-                    plan.n_crops, float(cfg.optim.clip_grad), autocast,
+    step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast,
                     koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)))
     if cfg.compile:
         step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
+    if graphs:
+        step.graphed = GraphedStep(step)
     return step

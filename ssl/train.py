@@ -2,8 +2,9 @@
 
 Read top to bottom: data and views -> the step (student, teacher, loss, optimizer) ->
 schedules -> resume -> the loop -> k-NN of the teacher. The pieces have a file each in
-this folder (crop_plan, networks, head, loss, ema, step, health); what every trainer
-shares (process group, run dir, checkpoints, logs, cadence) lives in resmlp.core.engine.
+this folder (networks, head, loss, ema, step, health); the crop plan is data's
+(resmlp.data.crop_plan); what every trainer shares (process group, run dir, checkpoints,
+logs, cadence) lives in resmlp.core.engine.
 """
 from __future__ import annotations
 
@@ -12,25 +13,48 @@ import time
 import torch
 
 from resmlp.core import dist
+from resmlp.core.config import as_list
 from resmlp.core.engine import Cadence, Run, command, progress
+from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
+from resmlp.data.crop_plan import build_views, crop_plan
+from resmlp.data.datasets import fit_demo_subset, one_class_problem
 from resmlp.data.resumable import build_train_loader
-from resmlp.ssl.crop_plan import build_views, crop_plan
+from resmlp.eval.knn import check_ks
 from resmlp.ssl.health import CollapseWatch, collapse_kl, collapse_warning, drift_advice
 from resmlp.ssl.networks import DinoHooks
 from resmlp.ssl.step import build_dino_step
 
 
-def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> dict:
-    """k-NN (k=20, DINO's protocol) and optionally a linear probe of the teacher's features."""
+DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}) on {n} {c.data.name} "
+             "images for {c.epochs} epochs, to show the pipeline learns. The real run needs a GPU: on one, `bash "
+             "run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
+# A log line's values after "ep <epoch> it <iteration>", from the record run.log writes.
+LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teacher_temp:.3f} H_t {teacher_entropy:.2f} "
+            "KL {teacher_kl_mean:.3f} {images_per_s:.0f} img/s")
+
+
+def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None,
+               picture_step: int | None = None) -> dict:
+    """k-NN (knn.k, DINO's protocol) and optionally a linear probe of the teacher's features;
+    with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard.
+    cache: the run's dict of eval images kept between calls (eval.knn.online_knn)."""
     from resmlp.eval.knn import online_knn
-    k, temp = 20, float(cfg.knn.temperature)
-    res = online_knn(teacher_backbone, cfg.data, run.device, ks=(k,), temperature=temp,
-                     batch_size=max(1, cfg.features.batch_size // run.world_size), num_workers=cfg.num_workers,
-                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32, keep_features=linear)
+    temp = float(cfg.knn.temperature)
+    picture = picture_step is not None and bool(cfg.dino.tensorboard_neighbours)
+    res = online_knn(teacher_backbone, cfg.data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
+                     batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
+                     backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
+                     keep_features=linear or picture, cache=cache)
+    k = res["knn_k"]
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
+    if picture and run.is_main:
+        from resmlp.eval.neighbours import online_grid
+        run.log_image("knn_neighbours", online_grid(res, cfg.data, f"teacher, {tag}: k-NN top-1 "
+                                                    f"{out['knn_top1']:.2f}", seed=int(cfg.seed),
+                                                    backend=cfg.knn.backend), picture_step)
     if linear:
         lin = {}
         if run.is_main:
@@ -44,39 +68,50 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False) -> di
     return out
 
 
+def build_data(cfg, run, plan):
+    """(the views of `plan`, the training split, its loader, its resumable sampler)."""
+    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=run.device)
+    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
+    loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
+                                         pin_memory=run.device.type == "cuda", keyed=views.keyed,
+                                         collate_fn=views.collate)
+    return views, dataset, loader, sampler
+
+
 def train(cfg, hooks: DinoHooks | None = None):
     """Run DINO and return (run, student, teacher, results). `run(cfg)` is the CLI entry;
     `hooks` are a study's extension points (ssl.networks.DinoHooks)."""
     hooks = hooks or DinoHooks()
     demo = bool(cfg.demo)
+    fitted = fit_demo_subset(cfg)
     run = Run(cfg)
-    if demo:
-        run.print(f"CPU demo: a small ResMLP (dim {cfg.model.dim}, depth {cfg.model.depth}) on {cfg.data.subset} "
-                  f"{cfg.data.name} images for {cfg.epochs} epochs, "
-                  "to show the pipeline learns. The real run needs a GPU: on one, `bash run.sh dino "
-                  "resmlp_s12` trains the full preset; demo=false forces it here.")
     device = run.device
 
     # ---- data: the multi-crop views of the training split ----------------------------------
     plan = crop_plan(cfg)
-    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=device)
-    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
-    loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
-                                         pin_memory=device.type == "cuda", keyed=views.keyed,
-                                         collate_fn=views.collate)
+    views, dataset, loader, sampler = build_data(cfg, run, plan)
     if hooks.views:
         hooks.views(views, cfg)
     ipe = sampler.batches_per_epoch
+    # the k-NN's bank is the (labelled) training split: its k must fit before any work
+    check_ks(cfg.knn.k, len(dataset) if train_split_for_ssl(cfg.data) == "train" else
+             len(build_dataset(cfg.data, "train")))
+    if demo:
+        run.print(DEMO_TEXT.format(c=cfg, n=len(dataset)) + (f" ({fitted})" if fitted else ""))
+    # DINO needs no labels, so one class is a valid training set; only its k-NN says nothing
+    one_class = one_class_problem(cfg.data, "the teacher's k-NN (and linear) accuracy")
+    if one_class:
+        run.print(f"warning: {one_class}")
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, device, run.scaler, run.autocast, run.world_size, hooks)
+    step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size, hooks)
     if hooks.step:
         hooks.step(step, cfg)
     student, teacher = step.student, step.teacher
 
     # ---- schedules, per iteration ---------------------------------------------------------
     E, o = cfg.epochs, cfg.optim
-    lr_sched = cosine_schedule(o.lr * cfg.batch_size / 256, o.min_lr, E, ipe, o.warmup_epochs)
+    lr_sched = cosine_schedule(scaled_lr(o, cfg.batch_size), o.min_lr, E, ipe, o.warmup_epochs)
     wd_sched = cosine_schedule(o.weight_decay, o.weight_decay_end, E, ipe)
     m_sched = cosine_schedule(cfg.dino.momentum_teacher, 1.0, E, ipe)
     t_sched = linear_warmup_then_constant(cfg.dino.warmup_teacher_temp, cfg.dino.teacher_temp,
@@ -86,21 +121,24 @@ def train(cfg, hooks: DinoHooks | None = None):
     state = {"student": step.raw_student, "teacher": teacher, "optimizer": step.optimizer,
              "center": step.loss_fn.center, "scaler": run.scaler}
     start_it, results = run.restore(**state)
-    if not start_it and (demo or cfg.eval_every):
-        results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init")
-    if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
-        results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels")
-    run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
+    knn_images = {}  # the eval images, loaded and transformed once for every k-NN of the run
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
+    with cadence.evaluating():
+        if not start_it and (demo or cfg.eval_every):
+            results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init", cache=knn_images,
+                                         picture_step=0 if cfg.eval_every else None)
+            run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
+        if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
+            results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=knn_images)
+    run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     collapse = CollapseWatch(collapse_kl(cfg.dino), cfg.dino.collapse_patience, drift_advice(cfg.dino))
 
-    run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} "
-              f"iterations, global batch {cfg.batch_size} on {run.world_size} x {device.type}, crops "
-              f"{plan.label()} px ({cfg.dino.local_crops}, made on the {cfg.dino.augment}), run dir {run.dir}")
+    run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} iterations, global "
+              f"batch {cfg.batch_size} on {run.world_size} x {device.type}, crops {plan.label()} px "
+              f"({plan.strategy}, made on the {cfg.dino.augment}), run dir {run.dir}")
 
     # ---- the loop -------------------------------------------------------------------------
     it = start_it
-    train_started, eval_seconds = time.time(), 0.0
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
         student.train()
@@ -120,12 +158,8 @@ def train(cfg, hooks: DinoHooks | None = None):
                 if run.interactive:
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
                 else:
-                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
-                              f"lr {record['lr']:.2e} wd {record['wd']:.3f} m {record['momentum']:.4f} "
-                              f"T_t {record['teacher_temp']:.3f} H_t {record['teacher_entropy']:.2f} "
-                              f"KL {record['teacher_kl_mean']:.3f}"
-                              + (f" KoLeo {record['koleo']:.3f}" if "koleo" in record else "")
-                              + f" {record['images_per_s']:.0f} img/s")
+                    koleo = f" KoLeo {record['koleo']:.3f}" if "koleo" in record else ""
+                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} " + LOG_LINE.format(**record) + koleo)
                 warning = collapse.update(record["teacher_kl_mean"])
                 if warning:
                     run.print(f"warning: {warning}")
@@ -138,10 +172,10 @@ def train(cfg, hooks: DinoHooks | None = None):
         warning = collapse_warning(entropy, cfg.dino.out_dim) if entropy is not None else None
         if warning:
             run.print(f"warning: {warning}")
-        if cadence.eval_due(epoch + 1):
-            eval_started = time.time()
-            res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}")
-            eval_seconds += time.time() - eval_started
+        if cadence.eval_due(epoch + 1):  # <- sync point: the k-NN
+            with cadence.evaluating():
+                res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images,
+                                 picture_step=it)
             run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
         cadence.checkpoint(it)
 
@@ -149,27 +183,39 @@ def train(cfg, hooks: DinoHooks | None = None):
     if cfg.save_rank_weights:  # to check that DDP kept the ranks in step
         torch.save({"student": step.raw_student.state_dict(), "teacher": teacher.state_dict()},
                    run.dir / f"weights_rank{run.rank}.pth")
-    train_seconds = time.time() - train_started - eval_seconds
-    images_per_s = (it - start_it) * cfg.batch_size / max(train_seconds, 1e-9)
-    final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear)
+    with cadence.evaluating(final=True):
+        final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear,
+                           cache=knn_images,
+                           picture_step=it if cfg.eval_every else None)
     run.log({"epoch": E, **final}, step=it)
     results["final"] = final
-    if "init" in results and run.is_main:
-        gain = final["knn_top1"] - results["init"]["knn_top1"]
+    if one_class:
+        results["warning"] = one_class
+        run.print(f"warning: {one_class}")
+    # summed over every start: a finished run resumed again keeps its rate
+    summary = run.finish(summarize(run, cfg, results, teacher, cadence.timing_report()["train_images_per_s"]))
+    return run, step.raw_student, teacher, summary
+
+
+def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
+    """Print the k-NN from init to the end (and raw pixels' beside it); results.json's
+    fields (run.finish adds the wall time and the device)."""
+    init, final = results.get("init"), results["final"]
+    if init and run.is_main:
         pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
                   if "pixels" in results else "")
-        run.print(f"k-NN top-1: {results['init']['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} "
-                  f"after {E} epochs ({gain:+.2f}){pixels}")
+        run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} after {cfg.epochs} "
+                  f"epochs ({final['knn_top1'] - init['knn_top1']:+.2f}){pixels}")
     if run.is_main:
-        top1, top5 = final["knn_top1"], final["knn_top5"]
-        print(f"knn top1={top1:.2f} top5={top5:.2f} (k=20, T={float(cfg.knn.temperature):g})")
-    summary = run.finish({"command": "dino", "model": cfg.model.name, "data": cfg.data.name,
-                          "epochs": E, "demo": demo, "local_crops": cfg.dino.local_crops,
-                          "params": sum(p.numel() for p in teacher.backbone.parameters()),
-                          "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
-                          **{f"init_{k}": v for k, v in results.get("init", {}).items()},
-                          **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final})
-    return run, step.raw_student, teacher, summary
+        print(f"knn top1={final['knn_top1']:.2f} top5={final['knn_top5']:.2f} "
+              f"(k={final['knn_k']}, T={float(cfg.knn.temperature):g})")
+    return {"command": "dino", "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
+            "demo": bool(cfg.demo), "local_crops": cfg.dino.local_crops,
+            "params": sum(p.numel() for p in teacher.backbone.parameters()),
+            "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
+            **{f"init_{k}": v for k, v in results.get("init", {}).items()},
+            **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final,
+            **({"warning": results["warning"]} if "warning" in results else {})}
 
 
 run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 import resmlp.data as rdata
 from resmlp.eval.knn import knn_evaluate, online_knn
 from resmlp.core.errors import UserError
-from resmlp.models.checkpoints import load_backbone
+from resmlp.models.load import load_backbone
 
 DIMS = int(os.environ.get("WHITEN_DIMS", "64"))
 

@@ -37,6 +37,7 @@ from resmlp.core import dist
 from resmlp.core.config import load_config, save_config, to_dict
 from resmlp.core.engine import command, config_differences
 from resmlp.core.errors import UserError
+from resmlp.data.datasets import fit_demo_subset
 
 # Training paths of the table, in the paper's order.
 PATHS = ("supervised", "distill", "dino_knn", "dino_linear", "finetune")
@@ -115,11 +116,15 @@ def shared_overrides(cfg) -> list[str]:
     return [*out, *cfg.compare.common]
 
 
-def sub_config(cfg, step: Step):
-    """The config of one path, as `bash run.sh <command> ...` would build it."""
-    if step.base_dir is not None:
-        from resmlp.core.cli import saved_config
+def sub_config(cfg, step: Step, planned: dict | None = None):
+    """The config of one path, as `bash run.sh <command> ...` would build it. A path that
+    starts from another's run takes that run's saved config, or before it exists `planned`
+    (the config that run will save)."""
+    if step.base_dir is not None and (step.base_dir / "config.yaml").exists():
+        from resmlp.core.checkpoint import saved_config
         base = saved_config(str(step.base_dir))
+    elif step.base_dir is not None and planned is not None:
+        base = planned
     else:
         base = {"data": to_dict(cfg.data)}
     overrides = [*shared_overrides(cfg), *step.overrides, f"out={step.dir}"]
@@ -170,10 +175,25 @@ def run_step(step: Step, sub_cfg) -> dict:
     raise AssertionError(step.command)
 
 
+def check_all(cfg, steps: list[Step]) -> None:
+    """Every path's config, and its finished run if there is one, checked before the first
+    path trains: a bad key for the fifth path fails now, not after four trainings."""
+    made: dict[Path, dict] = {}
+    for step in steps:
+        try:
+            sub = sub_config(cfg, step, made.get(step.base_dir))
+        except UserError as e:
+            raise UserError(f"the {step.key} path (`{step.command}`, compare.extra.{step.key}): {e}") from None
+        made[step.dir] = to_dict(sub)
+        finished(step, sub)
+
+
 def collect(cfg, log=print) -> dict[str, dict]:
     """Results per step key, training what is not finished yet."""
     out = {}
-    for step in plan(cfg):
+    steps = plan(cfg)
+    check_all(cfg, steps)
+    for step in steps:
         sub = sub_config(cfg, step)
         res = finished(step, sub)
         if res is not None:
@@ -301,11 +321,14 @@ def write_report(cfg, res: dict[str, dict]) -> Path:
 
 
 def compare(cfg) -> None:
+    fitted = fit_demo_subset(cfg)  # before the paths' configs are made: each gets the same images
+    if fitted and dist.is_main():
+        print(f"compare: {fitted}", flush=True)
     if cfg.demo and dist.is_main():
         e = cfg.compare.epochs
         print(f"CPU demo: every path at a short budget (supervised {e.supervised}, distill {e.distill}, DINO "
               f"{e.dino} (+ linear {e.linear}, fine-tune {e.finetune}) epochs, teacher {e.teacher}) on a small "
-              f"{cfg.model.name} (dim {cfg.model.dim}, depth {cfg.model.depth}) and {cfg.data.subset} images. "
+              f"{cfg.model.name} (dim {cfg.model.dim}, depth {cfg.model.depth}) and {cfg.data.subset or 'all'} images. "
               "On a GPU the compare runs the budgets of configs/method/compare.yaml; demo=false forces them.",
               flush=True)
     res = collect(cfg, log=lambda m: dist.is_main() and print(m, flush=True))

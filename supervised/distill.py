@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from resmlp.core.checkpoint import resolve_checkpoint_path
 from resmlp.core.errors import UserError
-from resmlp.models.checkpoints import load_classifier
+from resmlp.models.load import load_classifier
 
 KINDS = ("hard", "soft")
 

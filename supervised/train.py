@@ -4,8 +4,9 @@
     bash run.sh distill resmlp_s12 teacher=<run dir | checkpoint | timm:<name>>
     bash run.sh finetune <DINO run dir | checkpoint>
 
-One loop for the three commands (cfg.command), read top to bottom: data -> networks ->
-loss -> optimizer and schedules -> resume -> loop -> test-split evaluation. The recipe is
+One loop for the three commands (cfg.command), read top to bottom: data -> networks and
+the step (supervised/step.py: mixup, loss, optimizer, EMA) -> schedule -> resume -> loop ->
+test-split evaluation. The recipe is
 the paper's (Sec. 3.1): LAMB, lr 5e-3 x batch/512, weight decay 0.2, and otherwise DeiT's
 defaults, all from timm's parts: RandAugment, mixup / cutmix, random erasing, label
 smoothing, stochastic depth, repeated augmentation, model EMA. The shared pieces (process
@@ -13,26 +14,22 @@ group, run dir, precision, checkpoints, logs) live in resmlp.core, as for DINO.
 """
 from __future__ import annotations
 
-import re
-import time
-
 import torch
 import torch.nn as nn
-from timm.data import Mixup, create_transform
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
-from timm.utils import ModelEmaV3
+from timm.data import create_transform
 
 from resmlp.core import dist
 from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
-from resmlp.core.optim import no_weight_decay, param_groups
+from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule
-from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std, num_classes
+from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std
+from resmlp.data.datasets import fit_demo_subset, require_classes
 from resmlp.data.resumable import build_train_loader
 from resmlp.models.from_config import build_model
 from resmlp.supervised.distill import distillation_loss, load_teacher
 from resmlp.supervised.repeat_aug import build_repeat_aug_loader
+from resmlp.supervised.step import build_supervised_step, layer_decay
 
 COMMANDS = ("supervised", "distill", "finetune")
 __all__ = ["train", "run", "distillation_loss", "build_networks", "evaluate"]
@@ -71,25 +68,19 @@ def build_train_transform(cfg):
     return transform
 
 
-def build_mixup(cfg, n_classes: int, batch_per_rank: int):
-    """timm's Mixup (it also applies the label smoothing) or None when both alphas are 0."""
-    a = cfg.aug
-    if not (a.mixup > 0 or a.cutmix > 0) or a.mixup_prob <= 0:
-        return None
-    if batch_per_rank % 2:
-        raise UserError(f"mixup/cutmix need an even batch per process, got {batch_per_rank}; change batch_size "
-                        "or set aug.mixup=0 aug.cutmix=0")
-    return Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mixup_prob, switch_prob=a.mixup_switch_prob,
-                 mode=a.mixup_mode, label_smoothing=a.smoothing, num_classes=n_classes)
-
-
-def build_criterion(cfg, mixup) -> nn.Module:
-    """DeiT's choice: soft-target CE after mixup, else label smoothing, else plain CE."""
-    if mixup is not None:
-        return SoftTargetCrossEntropy()
-    if cfg.aug.smoothing > 0:
-        return LabelSmoothingCrossEntropy(smoothing=cfg.aug.smoothing)
-    return nn.CrossEntropyLoss()
+def build_train_data(cfg, run):
+    """(training split, its loader, its resumable sampler), with repeated augmentation
+    when aug.repeats > 1."""
+    dataset = build_dataset(cfg.data, "train")
+    transform = build_train_transform(cfg)
+    pin = run.device.type == "cuda"
+    if cfg.aug.repeats > 1:
+        loader, sampler = build_repeat_aug_loader(dataset, transform, run.batch_per_rank, cfg.aug.repeats,
+                                                  cfg.seed, cfg.num_workers, pin_memory=pin)
+    else:
+        loader, sampler = build_train_loader(dataset, transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
+                                             pin_memory=pin)
+    return dataset, loader, sampler
 
 
 # ---- networks -------------------------------------------------------------------------------
@@ -97,7 +88,7 @@ def build_criterion(cfg, mixup) -> nn.Module:
 def init_from_checkpoint(model: nn.Module, cfg) -> dict:
     """Fine-tuning: copy the checkpoint's backbone (DINO: the `teacher` network's backbone.*)
     into `model`; the head stays new. A backbone that does not fit is a UserError."""
-    from resmlp.models.checkpoints import describe, load_backbone, load_into
+    from resmlp.models.load import describe, load_backbone, load_into
     spec = cfg.checkpoint
     if not spec:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
@@ -123,36 +114,6 @@ def build_networks(cfg, n_classes: int, device):
         teacher, info["teacher"] = load_teacher(d.teacher, n_classes, cfg.data.name, cfg.data.img_size, device,
                                                 teacher_model=d.teacher_model)
     return model.to(device), teacher, info
-
-
-def layer_id(name: str, n_layers: int) -> int:
-    """0 for the stem, i + 1 for block i, n_layers + 1 for the final norm, pooling and head."""
-    if name.startswith(("patch_embed", "stem", "cls_token", "pos_embed")):
-        return 0
-    m = re.match(r"(?:blocks|layers|stages)\.(\d+)\.", name)
-    return int(m.group(1)) + 1 if m else n_layers + 1
-
-
-def layer_decay_groups(model: nn.Module, layer_decay: float) -> list[dict]:
-    """core.optim's decay / no-decay split, further split per layer with lr_scale =
-    layer_decay ** (n_layers + 1 - layer): the head learns at the full lr, block i at
-    decay^(depth - i), the patch embedding at decay^(depth + 1) (BEiT's rule)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    ids = [int(m.group(1)) for n in names if (m := re.match(r"(?:blocks|layers|stages)\.(\d+)\.", n))]
-    if not ids:
-        raise UserError(f"finetune.layer_decay needs a model with numbered blocks; {type(model).__name__} has none")
-    n_layers = max(ids) + 1
-    groups: dict[tuple, dict] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        lid, nd = layer_id(name, n_layers), no_weight_decay(name, p)
-        g = groups.setdefault((lid, nd), {"params": [], "name": "no_decay" if nd else "decay", "layer": lid,
-                                          "lr_scale": layer_decay ** (n_layers + 1 - lid)})
-        if nd:
-            g["weight_decay"] = 0.0
-        g["params"].append(p)
-    return [groups[k] for k in sorted(groups)]
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -182,8 +143,7 @@ def build_test_loader(cfg, run):
     if cfg.eval_limit and cfg.eval_limit < len(ds):
         step = len(ds) / cfg.eval_limit  # evenly spaced: every class when the split is ordered by class
         ds = torch.utils.data.Subset(ds, [int(i * step) for i in range(cfg.eval_limit)])
-    bs = max(1, cfg.eval_batch_size // run.world_size)
-    return build_loader(ds, bs, train=False, num_workers=cfg.num_workers, seed=cfg.seed)
+    return build_loader(ds, dist.share(cfg.eval_batch_size), train=False, num_workers=cfg.num_workers, seed=cfg.seed)
 
 
 # ---- the command -----------------------------------------------------------------------------
@@ -195,129 +155,96 @@ DEMO_TEXT = {
 }
 
 
-def train(cfg):
-    """Train as cfg.command says; return (run, model, results). `run(cfg)` is the CLI entry."""
+def check_inputs(cfg) -> None:
     if cfg.command not in COMMANDS:
         raise UserError(f"resmlp.supervised.train serves {', '.join(COMMANDS)}, not {cfg.command!r}")
     if cfg.command == "distill" and not cfg.distill.teacher:
         raise UserError("distill needs a teacher: teacher=<run dir | checkpoint | timm:<name>>")
     if cfg.command == "finetune" and not cfg.checkpoint:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
-    demo = bool(cfg.demo)
-    run = Run(cfg)
-    device = run.device
-    if demo:
-        from resmlp.models import list_models
-        size = (f" (dim {cfg.model.dim}, depth {cfg.model.depth})"
-                if cfg.model.name in list_models() and cfg.model.dim else "")
-        what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=cfg.data.subset or "all", e=cfg.epochs)
-        a = cfg.aug
-        light = not a.auto_augment and not (a.mixup or a.cutmix)
-        run.print(f"CPU demo: {what}, to show the pipeline learns"
-                  + (f"; the recipe is lightened for so few epochs (lr {cfg.optim.lr:g} for batch "
-                     f"{cfg.optim.lr_batch}, weight decay {cfg.optim.weight_decay:g}, no RandAugment / mixup / "
-                     f"cutmix: they pay off only over long schedules; see configs/method/{cfg.command}.yaml)"
-                     if light else "")
-                  + f". The real run needs a GPU: on one, `bash run.sh {cfg.command} ...` trains the full preset; "
-                  "demo=false forces it here.")
 
-    # ---- data: augmented training split, plain test split ---------------------------------
-    n_classes = num_classes(cfg.data)
-    dataset = build_dataset(cfg.data, "train")
-    transform = build_train_transform(cfg)
-    if cfg.aug.repeats > 1:
-        loader, sampler = build_repeat_aug_loader(dataset, transform, run.batch_per_rank, cfg.aug.repeats,
-                                                  cfg.seed, cfg.num_workers, pin_memory=device.type == "cuda")
-    else:
-        loader, sampler = build_train_loader(dataset, transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
-                                             pin_memory=device.type == "cuda")
-    ipe = sampler.batches_per_epoch
-    test_loader = build_test_loader(cfg, run)
 
-    # ---- networks, loss ----------------------------------------------------------------------
-    model, teacher, info = build_networks(cfg, n_classes, device)
-    n_params = sum(p.numel() for p in model.parameters())
-    mixup = build_mixup(cfg, n_classes, run.batch_per_rank)
-    criterion = build_criterion(cfg, mixup)
-    ema = ModelEmaV3(model, decay=cfg.ema.decay, device=device) if cfg.ema.enabled else None
+def demo_text(cfg, n_images: int) -> str:
+    from resmlp.models import list_models
+    size = (f" (dim {cfg.model.dim}, depth {cfg.model.depth})"
+            if cfg.model.name in list_models() and cfg.model.dim else "")
+    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=n_images, e=cfg.epochs)
+    a = cfg.aug
+    light = not a.auto_augment and not (a.mixup or a.cutmix)
+    return (f"CPU demo: {what}, to show the pipeline learns"
+            + (f"; the recipe is lightened for so few epochs (lr {cfg.optim.lr:g} for batch "
+               f"{cfg.optim.lr_batch}, weight decay {cfg.optim.weight_decay:g}, no RandAugment / mixup / "
+               f"cutmix: they pay off only over long schedules; see configs/method/{cfg.command}.yaml)"
+               if light else "")
+            + f". The real run needs a GPU: on one, `bash run.sh {cfg.command} ...` trains the full preset; "
+            "demo=false forces it here.")
 
-    # ---- optimizer, schedules (per iteration) -------------------------------------------------
-    o = cfg.optim
-    layer_decay = cfg.finetune.layer_decay if cfg.command == "finetune" else None
-    groups = layer_decay_groups(model, layer_decay) if layer_decay and layer_decay < 1 else param_groups(model)
-    optimizer = create_optimizer_v2(groups, opt=o.opt, lr=0.0, weight_decay=o.weight_decay, momentum=o.momentum)
-    base_lr = o.lr * cfg.batch_size / o.lr_batch
-    E = cfg.epochs
-    lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, o.warmup_epochs, o.warmup_lr)
 
-    raw_model = model
-    if run.world_size > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    fwd = torch.compile(model) if cfg.compile else model
-
-    # ---- resume ---------------------------------------------------------------------------------
-    state = {"model": raw_model, "optimizer": optimizer, "ema": ema, "scaler": run.scaler}
-    start_it, results = run.restore(**state)
-    results.setdefault("history", [])
-    cadence = Cadence(run, ipe, start_it, results, {**state, "num_classes": n_classes})
-
-    def test(epoch: int) -> dict:
-        res = evaluate(raw_model, test_loader, device, run.autocast)
-        if ema is not None:
-            e = evaluate(ema.module, test_loader, device, run.autocast)
-            res.update(ema_top1=e["top1"], ema_top5=e["top5"])
-        res["epoch"] = epoch
-        run.print(f"[epoch {epoch}] test top1={res['top1']:.2f} top5={res['top5']:.2f}"
-                  + (f" (EMA top1={res['ema_top1']:.2f})" if ema is not None else "") + f" on {res['n_test']} images")
-        return res
-
+def describe_run(cfg, run, n_params: int, n_images: int, n_classes: int, ipe: int, base_lr: float) -> str:
     what = ("from scratch" if cfg.command == "supervised" else f"fine-tuned from {cfg.checkpoint}"
             if cfg.command == "finetune" else f"distilled ({cfg.distill.type}) from {cfg.distill.teacher}")
-    run.print(f"{cfg.command} {cfg.model.name} ({n_params / 1e6:.2f}M params) {what} on {cfg.data.name}: "
-              f"{len(dataset)} images, {n_classes} classes, {E} epochs x {ipe} iterations, global batch "
-              f"{cfg.batch_size} on {run.world_size} x {device.type}, {o.opt} lr {base_lr:.2e}"
-              + (f", layer decay {layer_decay}" if layer_decay and layer_decay < 1 else "") + f", run dir {run.dir}")
+    decay = layer_decay(cfg)
+    return (f"{cfg.command} {cfg.model.name} ({n_params / 1e6:.2f}M params) {what} on {cfg.data.name}: "
+            f"{n_images} images, {n_classes} classes, {cfg.epochs} epochs x {ipe} iterations, global batch "
+            f"{cfg.batch_size} on {run.world_size} x {run.device.type}, {cfg.optim.opt} lr {base_lr:.2e}"
+            + (f", layer decay {decay}" if decay else "") + f", run dir {run.dir}")
+
+
+def report_test_split(run, step, test_loader, epoch: int) -> dict:
+    """Top-1 / top-5 on the test split of the model (and of its EMA), printed."""
+    res = evaluate(step.raw_model, test_loader, run.device, run.autocast)
+    if step.ema is not None:
+        e = evaluate(step.ema.module, test_loader, run.device, run.autocast)
+        res.update(ema_top1=e["top1"], ema_top5=e["top5"])
+    res["epoch"] = epoch
+    run.print(f"[epoch {epoch}] test top1={res['top1']:.2f} top5={res['top5']:.2f}"
+              + (f" (EMA top1={res['ema_top1']:.2f})" if step.ema is not None else "") + f" on {res['n_test']} images")
+    return res
+
+
+def train(cfg):
+    """Train as cfg.command says; return (run, model, results). `run(cfg)` is the CLI entry."""
+    check_inputs(cfg)
+    demo = bool(cfg.demo)
+    fitted = fit_demo_subset(cfg)
+    run = Run(cfg)
+    device = run.device
+
+    # ---- data: augmented training split, plain test split ---------------------------------
+    n_classes = require_classes(cfg.data, f"{cfg.command}'s top-1")
+    dataset, loader, sampler = build_train_data(cfg, run)
+    ipe = sampler.batches_per_epoch
+    if demo:
+        run.print(demo_text(cfg, len(dataset)) + (f" ({fitted})" if fitted else ""))
+    test_loader = build_test_loader(cfg, run)
+
+    # ---- the step: networks, mixup, loss, EMA, optimizer; the lr schedule per iteration ----
+    model, teacher, info = build_networks(cfg, n_classes, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    step = build_supervised_step(cfg, model, teacher, n_classes, run)
+    E, o = cfg.epochs, cfg.optim
+    base_lr = scaled_lr(o, cfg.batch_size)
+    lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, o.warmup_epochs, o.warmup_lr)
+
+    # ---- resume ---------------------------------------------------------------------------------
+    state = {"model": model, "optimizer": step.optimizer, "ema": step.ema, "scaler": run.scaler}
+    start_it, results = run.restore(**state)
+    results.setdefault("history", [])
+    cadence = Cadence(run, ipe, start_it, results, {**state, "num_classes": n_classes}, tally=step.tally)
+    run.print(describe_run(cfg, run, n_params, len(dataset), n_classes, ipe, base_lr))
 
     # ---- the loop ---------------------------------------------------------------------------------
     it = start_it
-    train_time, train_images = 0.0, 0
     for epoch in range(start_it // ipe, E):
         sampler.set_epoch(epoch, start_batch=it - epoch * ipe)
-        model.train()
-        t_epoch, epoch_steps = time.time(), 0
+        step.model.train()
         bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
                        enabled=run.interactive)
         for images, labels in bar:
-            for g in optimizer.param_groups:
-                g["lr"] = lr_sched[it] * g.get("lr_scale", 1.0)
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            targets = labels
-            if mixup is not None:
-                images, targets = mixup(images, labels)
-            with run.autocast():
-                logits = fwd(images)
-            if teacher is not None:
-                with torch.no_grad(), run.autocast():
-                    t_logits = teacher(images)
-                loss = distillation_loss(logits.float(), t_logits.float(), targets, cfg.distill.type,
-                                         cfg.distill.alpha, cfg.distill.tau, base_criterion=criterion)
-            else:
-                loss = criterion(logits.float(), targets)
-
-            optimizer.zero_grad(set_to_none=True)
-            run.scaler.scale(loss).backward()
-            if o.clip_grad:
-                run.scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(raw_model.parameters(), o.clip_grad)
-            run.scaler.step(optimizer)
-            run.scaler.update()
-            if ema is not None:
-                ema.update(raw_model, step=it)
-            cadence.tally.add(loss)  # stays on the device until the next read
+            step(images.to(device, non_blocking=True), labels.to(device, non_blocking=True), lr_sched[it], it)
             it += 1
-            epoch_steps += 1
             cadence.count(cfg.batch_size)
-            if cadence.log_due(it):  # <- sync point
+            if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 record = cadence.log_record(it)
                 record["lr"] = lr_sched[it - 1]
                 run.log(record, step=it)
@@ -329,15 +256,12 @@ def train(cfg):
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
-        train_time += time.time() - t_epoch
-        train_images += epoch_steps * cfg.batch_size
 
         cadence.read(it)  # <- sync point: the epoch's remaining steps
-        epoch_means = cadence.epoch.take()
-        mean_loss = epoch_means.get("loss", float("nan"))
+        mean_loss = cadence.epoch.take().get("loss", float("nan"))
         record = {"epoch": epoch + 1, "iteration": it, "train_loss": mean_loss, "lr": lr_sched[it - 1]}
-        if cadence.eval_due(epoch + 1):
-            res = test(epoch + 1)
+        if cadence.eval_due(epoch + 1):  # <- sync point: the test split
+            res = report_test_split(run, step, test_loader, epoch + 1)
             results["history"].append(res)
             record.update({k: v for k, v in res.items() if k != "epoch"})
         run.log(record, step=it)
@@ -345,25 +269,31 @@ def train(cfg):
         cadence.checkpoint(it)
 
     # ---- the end: test split, results --------------------------------------------------------
-    final = test(E)
+    final = report_test_split(run, step, test_loader, E)
     results["history"] = [h for h in results["history"] if h["epoch"] != E] + [final]
     run.log({k: v for k, v in final.items()}, step=it)
-    best = max(results["history"], key=lambda h: h["top1"])
-    summary = {"command": cfg.command, "model": cfg.model.name, "data": cfg.data.name, "epochs": E,
-               "demo": demo, "params": n_params, "num_classes": n_classes, "train_images": len(dataset),
-               "batch_size": cfg.batch_size, "top1": final["top1"], "top5": final["top5"], "n_test": final["n_test"],
-               "best_top1": best["top1"], "best_epoch": best["epoch"], "last_epoch": E,
-               "images_per_s": round(train_images / train_time, 1) if train_time else None,
-               **run.memory_mb(), **info,
-               **({"ema_top1": final["ema_top1"], "ema_top5": final["ema_top5"]} if ema is not None else {}),
-               **({"layer_decay": layer_decay} if cfg.command == "finetune" else {}),
-               **({"distill_type": cfg.distill.type} if cfg.command == "distill" else {})}
-    summary = run.finish(summary)
+    summary = run.finish(summarize(cfg, results["history"], final, demo, n_params, n_classes, len(dataset),
+                                   cadence.timing_report()["train_images_per_s"], run, info, step.ema))
     if run.is_main:
-        print(f"{cfg.command} top1={final['top1']:.2f} top5={final['top5']:.2f} (best top1={best['top1']:.2f} at "
-              f"epoch {best['epoch']}; {cfg.model.name}, {E} epochs, {cfg.data.name} test split, "
+        print(f"{cfg.command} top1={final['top1']:.2f} top5={final['top5']:.2f} (best top1={summary['best_top1']:.2f} "
+              f"at epoch {summary['best_epoch']}; {cfg.model.name}, {E} epochs, {cfg.data.name} test split, "
               f"{summary['wall_time_s']:.0f} s)", flush=True)
-    return run, raw_model, summary
+    return run, model, summary
+
+
+def summarize(cfg, history: list[dict], final: dict, demo: bool, n_params: int, n_classes: int, n_images: int,
+              images_per_s: float | None, run, info: dict, ema) -> dict:
+    """results.json of a finished run (run.finish adds the wall time and the device)."""
+    best = max(history, key=lambda h: h["top1"])
+    return {"command": cfg.command, "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
+            "demo": demo, "params": n_params, "num_classes": n_classes, "train_images": n_images,
+            "batch_size": cfg.batch_size, "top1": final["top1"], "top5": final["top5"], "n_test": final["n_test"],
+            "best_top1": best["top1"], "best_epoch": best["epoch"], "last_epoch": cfg.epochs,
+            "images_per_s": round(images_per_s, 1) if images_per_s else None,
+            **run.memory_mb(), **info,
+            **({"ema_top1": final["ema_top1"], "ema_top5": final["ema_top5"]} if ema is not None else {}),
+            **({"layer_decay": cfg.finetune.layer_decay} if cfg.command == "finetune" else {}),
+            **({"distill_type": cfg.distill.type} if cfg.command == "distill" else {})}
 
 
 run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

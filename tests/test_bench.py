@@ -12,7 +12,7 @@ from resmlp.bench.reference import RefDinoStep, build_reference_networks
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
 from resmlp.models import convert_state_dict, load_pretrained
-from resmlp.ssl.crop_plan import crop_plan
+from resmlp.data.crop_plan import crop_plan
 
 
 def tiny_profile():
@@ -84,7 +84,7 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
     cfg = R.dino_config(tiny_profile(), "resmlp_s12", strategy, ["model.drop_path_rate=0.0"])
     plan = crop_plan(cfg)
     ours = R.build_our_step(cfg, cpu, "fp32", compile=False)
-    student, teacher = build_reference_networks(cfg, cpu, backbone)
+    student, teacher = build_reference_networks(cfg, plan, cpu, backbone)
     ref = RefDinoStep(student, teacher, cfg.dino.out_dim, plan.n_crops, cpu, fp16=False)
     if backbone == "timm":
         load_pretrained(ours.student.backbone, student.backbone.state_dict())

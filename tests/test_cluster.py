@@ -288,7 +288,7 @@ def test_slurm_job_interrupted_and_requeued_ends_with_the_same_weights(tmp_path,
     out = tmp_path / "job"
     argv = [*DINO, f"out={out}", "launcher=slurm", "slurm.cluster=local", "slurm.gpus_per_node=0", "slurm.time=30"]
     _, cfg = resmlp_cli.build(argv)
-    job = submit(cfg, argv)
+    job = submit(cfg, argv, resmlp_cli.main)
     deadline = time.time() + 300
     while logged_iteration(out) < 1:
         assert job.state == "RUNNING" and time.time() < deadline, job.stderr()

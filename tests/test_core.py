@@ -112,7 +112,7 @@ def test_cli_errors_are_one_line_with_exit_2(capsys, tmp_path, monkeypatch):
 BAD_NUMBERS = [("dino", "batch_size=0"), ("dino", "batch_size=-4"), ("supervised", "batch_size=0"),
                ("dino", "epochs=0"), ("dino", "epochs=2.5"), ("supervised", "epochs=-1"), ("dino", "optim.lr=0"),
                ("supervised", "optim.lr=-0.1"), ("dino", "num_workers=-1"), ("dino", "dino.n_local_crops=-1"),
-               ("dino", "data.local_size=0"), ("dino", "dino.local_size=-16"), ("knn", "k=0"), ("knn", "k=10,-1"),
+               ("dino", "data.local_size=0"), ("dino", "data.local_size=-16"), ("knn", "k=0"), ("knn", "k=10,-1"),
                ("knn", "T=0"), ("knn", "T=-0.07"), ("dino", "eval_every=-1"), ("supervised", "ckpt_every=-1"),
                ("dino", "log_every=0"), ("dino", "slurm.nodes=0")]
 
@@ -125,6 +125,21 @@ def test_bad_numbers_are_one_line_before_anything_runs(command, bad, tmp_path, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not allowed" in err[0] and "must be" in err[0], err
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_moved_key_names_the_key_that_replaced_it(tmp_path, capsys):
+    assert cli.main(["dino", "resmlp_s12", "dino.local_size=16", f"out={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.local_size=16" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_limit_that_is_not_one_is_named():
+    from resmlp.core.config import Limit
+    assert Limit.from_spec({"above": 0, "max": 1}, "x").allows(1) and not Limit.from_spec({"above": 0}, "x").allows(0)
+    for bad in ("positiv", {"max": 1}, {"min": 0, "above": 0}, {"min": 0, "upto": 1}):
+        with pytest.raises(UserError, match="is not a limit"):
+            Limit.from_spec(bad, "limits.x")
 
 
 def test_out_naming_an_existing_file_is_refused_and_left_alone(tmp_path, capsys):
@@ -170,7 +185,7 @@ def test_checkpoint_roundtrip_and_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pth")
     (tmp_path / "notes.pth").write_text("not a checkpoint")
-    with pytest.raises(UserError, match="not a readable torch checkpoint"):
+    with pytest.raises(UserError, match="is not a checkpoint: torch cannot read it"):
         load_checkpoint(tmp_path / "notes.pth")
     with pytest.raises(UserError, match="without checkpoint.pth"):
         load_checkpoint(tmp_path)

@@ -20,9 +20,9 @@ from resmlp.data.decode import (EncodedImage, SourceBatch, SourceDecoder, collat
 from resmlp.data.images import load_rgb
 from resmlp.data.resumable import build_train_loader
 from resmlp.data.transforms import BICUBIC, to_normalized_tensor
-from resmlp.ssl.crop_plan import build_views, crop_plan
+from resmlp.data.crop_plan import build_views, crop_plan
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py)
 SIZES = [(500, 375), (375, 500), (1200, 900), (3000, 2000), (1400, 300), (300, 200)]  # (W, H)
 
 
@@ -112,7 +112,7 @@ def test_eval_transform_on_files_matches_pils_resize(tmp_path):
 
 def dino_cfg(root, *extra):
     return load_config("dino", "resmlp_s12", ["demo=false", "data=imagefolder", f"data.root={root}",
-                                              "data.img_size=64", "model.patch_size=8", "dino.local_size=32",
+                                              "data.img_size=64", "model.patch_size=8", "data.local_size=32",
                                               "dino.n_local_crops=2", "num_workers=0", *extra])
 
 
@@ -183,7 +183,7 @@ def test_preview_writes_the_trainers_crops_in_file_pixels(tmp_path, capsys):
     root = tree(tmp_path / "d")
     out = tmp_path / "out"
     args = ["data", "data=imagefolder", f"data.root={root}", "data.img_size=64", "model.patch_size=8",
-            "dino.local_size=32", "dino.n_local_crops=3", "data.preview=6", f"out={out}"]
+            "data.local_size=32", "dino.n_local_crops=3", "data.preview=6", f"out={out}"]
     assert main(args) == 0
     assert "crops.png" in capsys.readouterr().out
     info = json.loads((out / "crops.json").read_text())
@@ -225,7 +225,7 @@ def test_preview_writes_the_trainers_crops_in_file_pixels(tmp_path, capsys):
 def test_preview_errors_are_one_line(tmp_path, capsys):
     root = tree(tmp_path / "d", sizes=[(80, 60)] * 4)
     base = ["data", "data=imagefolder", f"data.root={root}", "data.img_size=64", "model.patch_size=8",
-            "dino.local_size=32", f"out={tmp_path / 'o'}"]
+            "data.local_size=32", f"out={tmp_path / 'o'}"]
     assert main([*base, "data.preview=5"]) == 2
     assert main([*base, "data.preview=2", "dino.augment=workers"]) == 2
     err = capsys.readouterr().err

@@ -17,7 +17,7 @@ from resmlp.core.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py)
 
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=32", "epochs=1",
         "dino.out_dim=64", "dino.hidden_dim=32", "dino.bottleneck_dim=16", "dino.n_local_crops=2",
@@ -31,8 +31,8 @@ DEVICE_CODE = (f"{os.sep}ssl{os.sep}", "gpu_augment", f"core{os.sep}engine", f"{
 
 def tiny_step(device="cpu", extra=()):
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data=imagefolder", "data.img_size=32", "model.patch_size=8",
-                                             "dino.local_size=16", *extra])
-    from resmlp.ssl.crop_plan import crop_plan
+                                             "data.local_size=16", *extra])
+    from resmlp.data.crop_plan import crop_plan
     return cfg, crop_plan(cfg)
 
 
@@ -63,7 +63,7 @@ def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
     """The trainer reads device values only at log lines, checkpoints and epoch ends: a run
     of 8 iterations makes exactly as many host reads as a run of 4."""
     from resmlp.ssl import train as dino_train
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     counts = {}
     for n in (4, 8):
         counter = SyncCounter(monkeypatch)
@@ -72,7 +72,7 @@ def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
         dino_train.train(cfg)
         counts[n] = counter.count
         monkeypatch.undo()
-        monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+        monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     assert counts[4] == counts[8], counts
     assert counts[8] <= 6, counts  # the end-of-run reads only
 
@@ -93,12 +93,17 @@ class FreshHostTensors(TorchDispatchMode):
         return out
 
 
-def test_step_and_augmentation_make_no_host_reads(monkeypatch):
+@pytest.mark.parametrize("graphed", [False, True])
+def test_step_and_augmentation_make_no_host_reads(monkeypatch, graphed):
     """Three DINO steps with the batched augmentation: not a single read of a device value,
-    and no fresh host tensor to copy to the device."""
+    and no fresh host tensor to copy to the device. graphed: the body dino.cuda_graphs
+    captures, run uncaptured."""
     from resmlp.data.gpu_augment import GpuMultiCrop
+    from resmlp.ssl.graphs import GraphedStep
     cfg, plan = tiny_step()
     step = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
+    if graphed:
+        step.graphed = GraphedStep(step, capture=False)
     aug = GpuMultiCrop.from_plan(plan, cfg.data)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
     sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1)  # what the loader sends
@@ -193,7 +198,7 @@ def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path
         kw["compile"] = False  # the wiring is what this test checks; compiling costs minutes on 2 cores
         return real(cls, plan, data_cfg, **kw)
     monkeypatch.setattr(gpu_augment.GpuMultiCrop, "from_plan", classmethod(spy))
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     monkeypatch.setattr(dino_train, "build_dino_step", _eager_step_builder())
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "compile=true", "precision=bf16",
                                              f"out={tmp_path}"])
@@ -256,7 +261,7 @@ def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, mon
     from resmlp.core.cli import main
     from resmlp.ssl import step as step_module
     from resmlp.ssl import train as dino_train
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     calls = {"n": 0}
     real = step_module.DinoStep.__call__
 
@@ -290,7 +295,7 @@ def test_dino_knn_extracts_in_fp32_when_asked(tmp_path, monkeypatch):
     from resmlp.ssl import train as dino_train
     seen = []
     monkeypatch.setattr(knn, "online_knn", lambda *a, **k: seen.append(k["amp_dtype"]) or
-                        {"knn_top1": 50.0, "knn_top5": 90.0})
+                        {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "precision=fp32", f"out={tmp_path}"])
     dino_train.train(cfg)
     assert seen == [torch.float32]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from resmlp.core.config import load_config
 from resmlp.core.errors import RunFailed, UserError
 from resmlp.ssl.ema import update_teacher
-from resmlp.ssl.step import clip_per_parameter
+from resmlp.ssl.clip import clip_per_parameter
 from resmlp.ssl.networks import MultiCropNet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,9 +118,10 @@ def test_multicrop_groups_resolutions_like_separate_forwards():
 
 
 def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
+    from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.networks import build_networks
     cfg = tiny_cfg(tmp_path)
-    student, teacher = build_networks(cfg, torch.device("cpu"))
+    student, teacher = build_networks(cfg, crop_plan(cfg), torch.device("cpu"))
     for (n, s), t in zip(student.state_dict().items(), teacher.state_dict().values()):
         assert torch.equal(s, t), n
     assert not any(p.requires_grad for p in teacher.parameters())
@@ -127,11 +129,11 @@ def test_teacher_starts_as_student_copy_without_gradients(tmp_path):
 
 
 def test_bad_strategy_is_a_user_error(tmp_path):
-    from resmlp.ssl.crop_plan import crop_plan
+    from resmlp.data.crop_plan import crop_plan
     with pytest.raises(UserError, match="dino.local_crops"):
         crop_plan(tiny_cfg(tmp_path, "dino.local_crops=stretch"))
     with pytest.raises(UserError, match="multiple of model.patch_size"):
-        crop_plan(tiny_cfg(tmp_path, "dino.local_size=10"))
+        crop_plan(tiny_cfg(tmp_path, "data.local_size=10"))
 
 
 def test_imagenet_recipe_follows_dinos_300_epoch_run():
@@ -143,7 +145,7 @@ def test_imagenet_recipe_follows_dinos_300_epoch_run():
     d, o = cfg.dino, cfg.optim
     assert (cfg.epochs, cfg.batch_size, d.norm_last_layer) == (300, 1024, False)
     assert (d.warmup_teacher_temp, d.teacher_temp, d.warmup_teacher_temp_epochs) == (0.04, 0.07, 30)
-    assert (d.momentum_teacher, d.out_dim, d.n_local_crops, d.local_size, d.freeze_last_layer) == (0.996, 65536, 8, 96, 1)
+    assert (d.momentum_teacher, d.out_dim, d.n_local_crops, cfg.data.local_size, d.freeze_last_layer) == (0.996, 65536, 8, 96, 1)
     assert (tuple(d.global_crops_scale), tuple(d.local_crops_scale)) == ((0.4, 1.0), (0.05, 0.4))
     assert (o.lr, o.min_lr, o.warmup_epochs, o.weight_decay, o.weight_decay_end, o.clip_grad) == \
         (0.0005, 1e-6, 10, 0.04, 0.4, 3.0)
@@ -165,7 +167,7 @@ def test_imagenet_recipe_follows_dinos_300_epoch_run():
 def test_every_local_crop_strategy_trains(tmp_path, strategy, augment, monkeypatch):
     from resmlp.ssl import train as dino_train
     # The k-NN report has its own test; here only the training step of each strategy.
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     run, student, teacher, results = dino_train.train(tiny_cfg(tmp_path, f"dino.local_crops={strategy}",
                                                                  f"dino.augment={augment}", "epochs=1"))
     assert results["local_crops"] == strategy
@@ -185,6 +187,12 @@ def test_run_writes_outputs_and_prints_knn(tmp_path):
     for name in ("config.yaml", "checkpoint.pth", "log.jsonl", "results.json"):
         assert (tmp_path / name).exists(), name
     assert list((tmp_path / "tb").glob("events.*"))
+    # the neighbours grid of every k-NN of eval_every (and of the one at init) in TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    tb.Reload()
+    grids = tb.Images("knn_neighbours")
+    assert [g.step for g in grids] == [0, 2, 4] and all(g.width > 200 and g.height > 200 for g in grids)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     train_lines = [r for r in records if "loss" in r]
     for key in ("lr", "wd", "momentum", "teacher_temp", "teacher_entropy", "teacher_kl_mean",
@@ -197,6 +205,45 @@ def test_run_writes_outputs_and_prints_knn(tmp_path):
     assert set(ckpt) >= {"student", "teacher", "optimizer", "center", "scaler", "epoch", "iteration",
                          "rng", "config"}
     assert any(k.startswith("backbone.") for k in ckpt["teacher"])
+
+
+def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypatch):
+    from resmlp.eval import knn
+    from resmlp.ssl.train import knn_report
+
+    class Images(list):
+        classes = ["a", "b", "c"]
+
+    g = torch.Generator().manual_seed(0)
+    data = {split: (torch.randn(n, 5, generator=g), torch.arange(n) % 3) for split, n in (("train", 30), ("test", 9))}
+    sets = {split: Images((torch.rand(3, 8, 8, generator=g), int(y)) for y in data[split][1]) for split in data}
+    asked = []
+
+    def online_knn(*args, keep_features=False, **kwargs):
+        asked.append(keep_features)   # the grid reuses the k-NN's own features, extracted once
+        out = {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20}
+        return {**out, "features": data, "datasets": sets} if keep_features else out
+
+    class FakeRun:
+        is_main, device, world_size, amp_dtype = True, torch.device("cpu"), 1, None
+        images = []
+
+        def print(self, *args):
+            pass
+
+        def log_image(self, tag, image, step):
+            self.images.append((tag, image.shape, image.dtype, step))
+
+    monkeypatch.setattr(knn, "online_knn", online_knn)
+    run, cfg = FakeRun(), tiny_cfg(tmp_path)
+    knn_report(run, None, cfg, "epoch 1", picture_step=7)
+    assert asked == [True] and len(run.images) == 1
+    tag, shape, dtype, step = run.images[0]
+    assert tag == "knn_neighbours" and step == 7 and shape[2] == 3 and shape[0] > 100 and dtype == np.uint8
+    knn_report(run, None, cfg, "end")                   # the final k-NN: no picture step
+    cfg.dino.tensorboard_neighbours = False
+    knn_report(run, None, cfg, "epoch 2", picture_step=9)
+    assert asked == [True, False, False] and len(run.images) == 1
 
 
 @needs_fmnist
@@ -225,15 +272,16 @@ def _train_cmd(out, *extra):
 
 
 @needs_fmnist
-def test_killed_run_resumes_to_the_same_weights(tmp_path):
-    extra = ("epochs=2", "data.subset=128", "ckpt_every=1")     # 4 iterations per epoch
+def test_killed_run_resumes_to_the_same_weights_and_log_and_a_finished_run_stays(tmp_path):
+    extra = ("epochs=2", "data.subset=128", "ckpt_every=3")     # 4 iterations per epoch: saved at 3, 4, 6, 8
     full = subprocess.run(_train_cmd(tmp_path / "full", *extra), cwd=ROOT, capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-2000:]
-    env = {**os.environ, "RESMLP_KILL_AT_ITERATION": "6"}        # mid-epoch 2
+    env = {**os.environ, "RESMLP_KILL_AT_ITERATION": "7"}        # mid-epoch 2, one iteration past a checkpoint
     killed = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, env=env, capture_output=True,
                             text=True)
     assert killed.returncode != 0
     assert torch.load(tmp_path / "cut" / "checkpoint.pth", weights_only=False)["iteration"] == 6
+    assert '"iteration": 7' in (tmp_path / "cut" / "log.jsonl").read_text()   # logged, then lost with the kill
     resumed = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout
@@ -243,6 +291,18 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     for key in ("teacher", "student"):
         for name, value in a[key].items():
             assert torch.equal(value, b[key][name]), f"{key}.{name}"
+    # the resumed log holds each iteration (and the final k-NN) once, as the uninterrupted one
+    rows = {run: [(r.get("iteration"), r.get("epoch"), "knn_top1" in r)
+                  for r in map(json.loads, (tmp_path / run / "log.jsonl").read_text().splitlines())]
+            for run in ("full", "cut")}
+    assert rows["cut"] == rows["full"] and [r[0] for r in rows["cut"] if r[0]] == list(range(1, 9))
+
+    # the same command on the finished run: says so, exit 0, every file as it was
+    files = {f: (tmp_path / "cut" / f).read_bytes() for f in ("results.json", "log.jsonl", "checkpoint.pth")}
+    again = subprocess.run(_train_cmd(tmp_path / "cut", *extra), cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "holds a finished run" in again.stdout, again.stderr[-2000:]
+    assert len(again.stdout.strip().splitlines()) == 1 and not again.stderr.strip()
+    assert all((tmp_path / "cut" / f).read_bytes() == b for f, b in files.items())
 
 
 def _free_port():

@@ -124,7 +124,7 @@ def test_teacher_stats_read_the_targets_the_loss_uses():
 
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out_dim=64", "dino.hidden_dim=32",
         "dino.bottleneck_dim=16", "dino.n_local_crops=2", "data=imagefolder", "data.img_size=32",
-        "model.patch_size=8", "dino.local_size=16", "model.drop_path_rate=0.0", "dino.freeze_last_layer=0"]
+        "model.patch_size=8", "data.local_size=16", "model.drop_path_rate=0.0", "dino.freeze_last_layer=0"]
 
 
 def test_koleo_is_lightlys_on_the_students_pooled_global_features():
@@ -132,11 +132,12 @@ def test_koleo_is_lightlys_on_the_students_pooled_global_features():
 
     from resmlp.bench import rows as R
     from resmlp.ssl.step import build_dino_step
+    from resmlp.data.crop_plan import crop_plan
     cfg = load_config("dino", "resmlp_s12", [*TINY, "dino.koleo_weight=0.5", "dino.centering=sinkhorn"])
-    from resmlp.ssl.crop_plan import crop_plan
-    crops = R.synthetic_crops(crop_plan(cfg), 8, torch.device("cpu"), seed=0)
+    plan = crop_plan(cfg)
+    crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)
     torch.manual_seed(0)
-    step = build_dino_step(cfg, torch.device("cpu"))
+    step = build_dino_step(cfg, plan, torch.device("cpu"))
     student = step.raw_student
     with torch.no_grad():
         want = sum(KoLeoLoss()(student.backbone(c)) for c in crops[:2])
@@ -144,7 +145,8 @@ def test_koleo_is_lightlys_on_the_students_pooled_global_features():
     stats = step.read()
     assert stats["koleo"] == pytest.approx(want.item(), rel=1e-4)
     torch.manual_seed(0)
-    plain = build_dino_step(load_config("dino", "resmlp_s12", [*TINY, "dino.centering=sinkhorn"]), torch.device("cpu"))
+    plain = build_dino_step(load_config("dino", "resmlp_s12", [*TINY, "dino.centering=sinkhorn"]), plan,
+                            torch.device("cpu"))
     plain(crops, 0.0, 0.04, 0.996, TEMP, 1)
     base = plain.read()
     assert "koleo" not in base

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from resmlp.core.errors import UserError
-from resmlp.models import checkpoints as ck
+from resmlp.models import load as ck
 from resmlp.eval import features as fe
 from resmlp.eval.knn import (check_ks, knn_classify, knn_evaluate, knn_search, resolve_backend,
                              topk_correct)
@@ -91,32 +91,67 @@ def test_faiss_and_torch_backends_agree_with_ties(k):
     np.testing.assert_allclose(b.numpy(), ref, rtol=1e-5)
 
 
-def test_a_coarse_candidate_pass_keeps_the_neighbours_exact(monkeypatch):
-    """The GPU's candidate pass runs in TF32; the re-rank and the rounding bound keep the
-    result exact. Emulated here with a much coarser pass (bf16 operands) and its bound:
-    the same neighbours as the float32 pass, queries that fail the check are searched
-    again, and with the bound ignored the answer would be wrong."""
+def numpy_neighbours(train, test, k):
+    """The k nearest by float64 cosine of the raw features, ties to the lower index."""
+    tr = train.astype(np.float64) / np.linalg.norm(train.astype(np.float64), axis=1, keepdims=True)
+    te = test.astype(np.float64) / np.linalg.norm(test.astype(np.float64), axis=1, keepdims=True)
+    sims = te @ tr.T
+    return np.stack([np.lexsort((np.arange(len(row)), -row))[:k] for row in sims])
+
+
+@pytest.mark.parametrize("block", [7, 64])
+def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, block):
+    """The GPU's candidate pass: a bf16 matmul, rows reduced to block maxima before the
+    top-k, run here on the CPU (block 7: pruning on, with a ragged last block; 64: off at
+    this size). Same neighbours as the float64 brute force and the float32 pass, same
+    predictions; queries that fail the rounding check are searched again; with the bound
+    ignored the answer would be wrong."""
     from resmlp.eval import knn as K
     g = torch.Generator().manual_seed(3)
     centers = torch.randn(30, 48, generator=g)
-    xtr = centers[torch.randint(0, 30, (3000,), generator=g)] + 0.15 * torch.randn(3000, 48, generator=g)
+    xtr = centers[torch.randint(0, 30, (3001,), generator=g)] + 0.15 * torch.randn(3001, 48, generator=g)
     xte = centers[torch.randint(0, 30, (200,), generator=g)] + 0.15 * torch.randn(200, 48, generator=g)
+    ytr = torch.randint(0, 30, (3001,), generator=g)
     want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    assert (want_i.numpy() == numpy_neighbours(xtr.numpy(), xte.numpy(), 20)).all()
+    want_scores = knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu")
 
+    monkeypatch.setitem(K._TorchSearch.DTYPES, "cpu", torch.bfloat16)
+    monkeypatch.setattr(K._TorchSearch, "BLOCK", block)
     calls = []
-
-    def coarse(self, q, k):
-        calls.append(k)
-        sims = q.bfloat16().float() @ self.train.bfloat16().float().T
-        return sims.topk(k, dim=1)
-
-    monkeypatch.setattr(K._TorchSearch, "__call__", coarse)
-    monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 2.0 * (2.0 * 2.0**-8 + d * 2.0**-24))
+    real = K._TorchSearch.__call__
+    monkeypatch.setattr(K._TorchSearch, "__call__", lambda self, q, k: calls.append(k) or real(self, q, k))
     got_s, got_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
     assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
     assert len(set(calls)) > 1  # some queries needed a wider second search
+    assert torch.equal(knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu"), want_scores)
     monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 0.0)
     assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
+
+
+@pytest.mark.cuda
+def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
+    """On the GPU (bf16 pass, block maxima, float64 re-rank there) the same neighbours and
+    similarities as the CPU's float32 pass, from CPU and from GPU tensors alike."""
+    from resmlp.eval import knn as K
+    monkeypatch.setattr(K._TorchSearch, "BLOCK", 7)
+    xtr, _, xte = tie_features()
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
+        got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
+        assert torch.equal(got_i, want_i)
+        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+
+
+def test_top_candidates_through_block_maxima_is_topk():
+    from resmlp.eval.knn import _top_candidates
+    g = torch.Generator().manual_seed(0)
+    sims = torch.randn(40, 1003, generator=g).bfloat16()   # bf16: many ties
+    sims[3, 500:540] = 9.0                                  # one block holds the whole top
+    for k, block in ((5, 7), (20, 16), (30, 64), (40, 1)):
+        v, i = _top_candidates(sims, k, block)
+        assert torch.equal(v, sims.topk(k, dim=1).values)
+        assert torch.equal(sims.gather(1, i), v) and (i.sort(1).values.diff(1) > 0).all()
 
 
 def test_chunking_does_not_change_results():
@@ -468,7 +503,7 @@ def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, caps
 
 
 def test_viz_figures(run_dir, tmp_path):
-    assert cli("viz", run_dir) == 0
+    assert cli("viz", run_dir, "viz.figures=[cross_patch,sparsity,curves]") == 0
     out = run_dir / "viz"
     for name in ("cross_patch.png", "sparsity.png", "curves.png", "viz.json"):
         assert (out / name).stat().st_size > 1000 or name == "viz.json", name
@@ -494,3 +529,135 @@ def test_viz_figures(run_dir, tmp_path):
         model.blocks[0].cross_patch.weight.copy_(torch.tensor([[1.0, 0.01], [0.0, -0.04]]).repeat(32, 32))
     assert sparsity(model)["A"][0] == pytest.approx(0.75)
     assert cli("viz", run_dir, "viz.central=9") == 2
+
+
+def test_online_knn_keeps_the_eval_images_between_calls(tmp_path, monkeypatch):
+    """With a cache, the second call builds no dataset and gives the same result."""
+    import resmlp.data as rdata
+    from resmlp.bench.rows import make_jpeg_folder
+    from resmlp.core.config import load_config
+    from resmlp.eval.knn import online_knn
+    make_jpeg_folder(str(tmp_path), 40, 24, 40, classes=4)
+    cfg = load_config("knn", "resmlp_s12", ["data=imagefolder", f"data.root={tmp_path}", "data.img_size=16"])
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten())
+    built = []
+    real = rdata.build_dataset
+    monkeypatch.setattr(rdata, "build_dataset", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    cache = {}
+    first = online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16, cache=cache)
+    assert len(built) == 2 and all(isinstance(cache[s], list) for s in ("train", "test"))
+    again = online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16, cache=cache)
+    assert len(built) == 2 and again == first
+    assert online_knn(model, cfg.data, "cpu", ks=(3,), batch_size=16) == first and len(built) == 4
+
+
+# --------------------------------------------------------------------------- feature figures
+
+def test_neighbours_come_from_the_evaluators_search(monkeypatch):
+    from resmlp.eval import knn
+    from resmlp.eval.neighbours import neighbours, pick_queries
+    xtr, ytr, xte, yte = random_features()
+    queries = pick_queries(yte, 8, seed=3)
+    assert queries == pick_queries(yte, 8, seed=3) != pick_queries(yte, 8, seed=4)
+    assert len(set(queries)) == 8 and sorted(set(yte[queries].tolist())) == list(range(6))   # every class
+    assert [yte[q] for q in queries] == sorted(yte[q] for q in queries)                    # rows by class
+    assert set(pick_queries(yte, 4, seed=3)) <= set(queries)    # the patch map's images are queries too
+    assert len(set(pick_queries(-np.ones(50, dtype=int), 8, seed=0))) == 8    # no labels: random
+
+    calls = []
+    real = knn.knn_search
+    monkeypatch.setattr(knn, "knn_search", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    nb = neighbours(xtr, ytr, xte, yte, queries, k=7, backend="torch")
+    assert calls == [7]                                  # through the evaluator's own search
+    sims, idx = real(xtr, xte, 7, backend="torch")       # what knn_evaluate votes with, all queries
+    assert nb["indices"] == idx[queries].tolist()
+    np.testing.assert_allclose(nb["similarities"], sims[queries].numpy(), atol=1e-6)
+    assert nb["labels"] == ytr[idx[queries].numpy()].tolist()
+    assert nb["match_rate"] == pytest.approx(np.mean(ytr[idx[queries].numpy()] == yte[queries, None]))
+    # the same rows give knn_classify's votes for those queries
+    votes = torch.zeros(8, 6, dtype=torch.float64).scatter_add_(
+        1, torch.tensor(nb["labels"]), (torch.tensor(nb["similarities"], dtype=torch.float64) / 0.07).exp())
+    full = knn_classify(xtr, ytr, xte, 6, k=7, temperature=0.07, backend="torch")
+    torch.testing.assert_close(votes.float(), full[queries], rtol=1e-5, atol=0)
+    with pytest.raises(UserError, match="query indices"):
+        neighbours(xtr, ytr, xte, yte, [60], k=3)
+
+
+def test_patch_pca_has_the_grid_and_orthonormal_components():
+    from resmlp.eval.patch_pca import patch_pca, patch_tokens
+    model = tiny_model()
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    tokens, grid, _ = patch_tokens(model, x)
+    with torch.no_grad():   # the tokens before pooling: their mean is the pooled feature
+        torch.testing.assert_close(tokens.mean(1), model(x), rtol=1e-5, atol=1e-6)
+    res = patch_pca(model, x)
+    assert grid == res["grid"] == (8, 8) and res["rgb"].shape == (3, 8, 8, 3) and res["mask"].shape == (3, 8, 8)
+    v = res["components"]
+    torch.testing.assert_close(v @ v.T, torch.eye(3, dtype=torch.float64), rtol=0, atol=1e-10)
+    r = res["explained_variance_ratio"]
+    assert (r[:-1] >= r[1:]).all() and 0 < float(r.sum()) <= 1
+    assert res["rgb"].min() == 0 and res["rgb"].max() == 1 and 0 < res["mask"].mean() < 1
+    # another size: the built 8x8 grid adapted to 12x12 for the call, then restored
+    res = patch_pca(model, torch.randn(2, 3, 48, 48))
+    assert res["grid"] == (12, 12) and res["grid_adapt"] == "interpolate" and model.grid_adapt == "none"
+    assert res["rgb"].shape == (2, 12, 12, 3)
+    # timm: a ResMLP (its stem's grid), a ViT (class token dropped), a convnet (its feature map)
+    import timm
+    for name, size, want in (("resmlp_12_224", 64, (4, 4)), ("vit_tiny_patch16_224", 64, (4, 4)),
+                             ("resnet18", 128, (4, 4))):
+        m = timm.create_model(name, num_classes=0, **({} if name == "resnet18" else {"img_size": size})).eval()
+        res = patch_pca(m, torch.randn(2, 3, size, size))
+        assert res["grid"] == want and res["rgb"].shape == (2, *want, 3), name
+    with pytest.raises(UserError, match="cannot take 30x30"):
+        patch_pca(model, torch.randn(1, 3, 30, 30))
+
+
+def _ink(png: Path) -> float:
+    """Standard deviation of a PNG's pixels: 0 for a blank picture."""
+    import matplotlib.image
+    return float(matplotlib.image.imread(png)[..., :3].std())
+
+
+def test_viz_neighbours_and_patch_map(mini_fmnist, run_dir, tmp_path, capsys):
+    common = [f"data.root={mini_fmnist}", "num_workers=0", "device=cpu"]
+    out = tmp_path / "v"
+    assert cli("viz", run_dir, *common, "k=3", "viz.figures=[neighbours,patch_pca]", f"out={out}") == 0
+    for name in ("neighbours.png", "patch_pca.png"):
+        assert _ink(out / name) > 0.05, name
+    v = json.loads((out / "viz.json").read_text())
+    nb = v["neighbours"]
+    assert nb["k"] == 3 and len(nb["queries"]) == 8 and len(set(nb["query_labels"])) == 8
+    # the k-NN command's features (its cache), searched by the evaluator: the same neighbours
+    train = torch.load(nb["train_cache"], weights_only=True)
+    test = torch.load(nb["test_cache"], weights_only=True)
+    sims, idx = knn_search(train["features"], test["features"], 3)
+    assert nb["indices"] == idx[nb["queries"]].tolist()
+    assert nb["labels"] == train["labels"][idx[nb["queries"]]].tolist()
+    pca = v["patch_pca"]
+    assert pca["grid"] == [8, 8] and pca["img_size"] == 32 and set(pca["images"]) <= set(nb["queries"])
+
+    # a supervised checkpoint, its patch map at a larger size (a finer grid through the grid
+    # adaptation), and a timm checkpoint (timm's own models: test_patch_pca_...)
+    from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+    torch.manual_seed(0)
+    torch.save(MlpMixer(num_classes=10, img_size=32, patch_size=4, num_blocks=2, embed_dim=32, mlp_ratio=4,
+                        block_layer=partial(ResBlock, init_values=0.1), norm_layer=Affine).state_dict(),
+               tmp_path / "timm.pth")
+    clf = tiny_model(num_classes=10)
+    torch.save({"format": "resmlp-ssl", "command": "supervised", "config": {"model": {"name": "resmlp_s12", **TINY}},
+                "model": clf.state_dict()}, tmp_path / "sup.pth")
+    fast = [*common, "features.cache=false", "viz.figures=[neighbours,patch_pca]", "viz.dpi=50"]
+    assert cli("viz", tmp_path / "sup.pth", *fast, "viz.pca_size=64", f"out={tmp_path}/sup") == 0
+    pca = json.loads((tmp_path / "sup" / "viz.json").read_text())["patch_pca"]
+    assert pca["grid"] == [16, 16] and pca["grid_adapt"] == "interpolate" and pca["img_size"] == 64
+    assert cli("viz", tmp_path / "timm.pth", *fast, "viz.queries=4", f"out={tmp_path}/timm") == 0
+    v = json.loads((tmp_path / "timm" / "viz.json").read_text())
+    assert v["patch_pca"]["grid"] == [8, 8] and len(v["neighbours"]["queries"]) == 4
+    for run in ("sup", "timm"):
+        assert all(_ink(tmp_path / run / f"{n}.png") > 0.05 for n in ("neighbours", "patch_pca")), run
+
+    for bad in (["k=0"], ["k=3,5"], ["viz.queries=0"], ["viz.pca_size=-3"], ["viz.pca_threshold=1"],
+                ["viz.figures=[nope]"]):
+        assert cli("viz", run_dir, *common, *bad, f"out={tmp_path}/bad") == 2, bad
+    assert not (tmp_path / "bad").exists()
+    assert capsys.readouterr().err.count("error:") == 6

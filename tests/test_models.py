@@ -265,7 +265,7 @@ def test_timm_s12_equivalence_and_official_format(timm_s12):
         official = official_from_timm(timm_s12.state_dict())
         assert M.detect_format(official) == 'official'
         ours2 = create_model('resmlp_s12').eval()
-        from resmlp.models.checkpoints import unwrap
+        from resmlp.models.load import unwrap
         load_pretrained(ours2, unwrap({'model': official})[0])  # deit checkpoints wrap it in 'model'
         assert_close(ours2(x), want)
         # our own keys pass through unchanged
@@ -316,7 +316,7 @@ def test_load_dino_style_checkpoint_backbone_only():
                         'head.mlp.0.weight': torch.zeros(8, 32)},
             'student': {}}
     dst = tiny(num_classes=7)
-    from resmlp.models.checkpoints import unwrap
+    from resmlp.models.load import unwrap
     load_pretrained(dst, unwrap(ckpt)[0], ignore_head=True)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():

@@ -161,8 +161,9 @@ def test_distill_run_and_teacher_class_mismatch(tmp_path):
 
 @needs_data
 def test_finetune_starts_from_the_checkpoint_teacher(tmp_path):
-    from resmlp.core.cli import saved_config
-    from resmlp.supervised.train import build_networks, layer_decay_groups, train
+    from resmlp.core.checkpoint import saved_config
+    from resmlp.supervised.step import layer_decay_groups
+    from resmlp.supervised.train import build_networks, train
     dino_dir, teacher_sd, student_sd = save_dino_checkpoint(tmp_path)
     # as `bash run.sh finetune <dir>` builds it: model and data from the checkpoint's config
     cfg = load_config("finetune", None, ["num_workers=0", "eval_limit=200", "batch_size=32", "demo=false",

@@ -1,12 +1,31 @@
 """DINO's multi-crop: which views each image gives (the crop plan) and where they are made.
 
 ResMLP's cross-patch layer is patches x patches, so a local crop with fewer patches cannot
-pass through it unchanged; `dino.local_crops` picks what the plan does about it:
+pass through it unchanged; `dino.local_crops` picks what the plan does about it, and the
+plan tells the model side what that asks of it (`CropPlan.grid_adapt`, the ResMLP's
+`grid_adapt`):
 
     resize       local crops cut at the local scale, resized to the global size
-    interpolate  local crops at local_size; the model resamples its cross-patch weights
-    subgrid      local crops at local_size; the model takes the centred sub-block of them
+    interpolate  local crops at data.local_size; the model resamples its cross-patch weights
+    subgrid      local crops at data.local_size; the model takes the centred sub-block of them
     none         no local crops; the two global crops at `none_global_crops_scale`
+
+The trainer computes the plan once and hands it to the networks (resmlp.ssl.networks),
+the step and the views; the benchmark and `run.sh data data.preview=N` do the same.
+With `dino.augment=device` the trainer's data path is, in short:
+
+    plan = crop_plan(cfg)
+    views = build_views(cfg, plan, out_dtype=torch.bfloat16, device=device)
+    loader, sampler = build_train_loader(dataset, views.transform, batch_per_rank, cfg.seed, workers,
+                                         pin_memory=True, keyed=views.keyed, collate_fn=views.collate)
+    for batch in loader:  # SourceBatch: images (B, 3, H, W) padded, sizes (B, 2), keys, ...
+        crops = views.to_device(batch, device)
+        # = GpuMultiCrop(batch.decode_on(device), cfg.seed, batch.keys, batch.sizes)
+
+The keys (the sampler's epoch * N + index) make a sample's crops depend only on (seed,
+epoch, index): the same for any number of processes, batch composition and resume.
+`out_dtype=torch.bfloat16` halves the crops' memory (the step's first layer would cast
+them anyway).
 
 `build_views` turns a plan into the data path the trainer (and the benchmark and
 `run.sh data data.preview=N`) runs: with `dino.augment=device` the loader workers only
@@ -34,6 +53,8 @@ class CropPlan:
     n_local: int
     global_scale: tuple[float, float]
     local_scale: tuple[float, float]
+    strategy: str        # dino.local_crops, for messages and reports
+    grid_adapt: str      # what the backbone does with a smaller patch grid (ResMLP.grid_adapt)
 
     @property
     def n_crops(self) -> int:
@@ -56,15 +77,16 @@ def crop_plan(cfg) -> CropPlan:
     if d.local_crops not in STRATEGIES:
         raise UserError(f"dino.local_crops={d.local_crops!r} is not one of {', '.join(STRATEGIES)}")
     g = int(cfg.data.img_size)
-    local, n_local = int(d.local_size), int(d.n_local_crops)
+    local, n_local = int(cfg.data.local_size), int(d.n_local_crops)
     global_scale = tuple(d.global_crops_scale)
     if d.local_crops == "resize":
         local = g
     elif d.local_crops == "none":
         n_local, global_scale = 0, tuple(d.none_global_crops_scale)
     if n_local and local % cfg.model.patch_size:
-        raise UserError(f"dino.local_size={local} is not a multiple of model.patch_size={cfg.model.patch_size}")
-    return CropPlan(g, local, n_local, global_scale, tuple(d.local_crops_scale))
+        raise UserError(f"data.local_size={local} is not a multiple of model.patch_size={cfg.model.patch_size}")
+    grid_adapt = d.local_crops if d.local_crops in ("interpolate", "subgrid") else "none"
+    return CropPlan(g, local, n_local, global_scale, tuple(d.local_crops_scale), d.local_crops, grid_adapt)
 
 
 @dataclass

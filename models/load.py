@@ -1,9 +1,8 @@
-"""Checkpoints into models and out of them: the one place every command loads weights.
+"""Checkpoints into models: the one place every command loads weights.
 
-In:  load_backbone(spec)      any checkpoint -> a frozen feature backbone (evaluators, fine-tuning)
-     load_classifier(spec)    a trained classifier with its head (the distillation teacher)
-     load_into(model, sd)     a state_dict into a built model, every mismatch named
-Out: export(spec, format)     a backbone for use outside this project (timm / official / safetensors)
+    load_backbone(spec)      any checkpoint -> a frozen feature backbone (evaluators, fine-tuning, export)
+    load_classifier(spec)    a trained classifier with its head (the distillation teacher)
+    load_into(model, sd)     a state_dict into a built model, every mismatch named
 
 Run state (optimizer, RNG, resume) is written and read by resmlp.core.checkpoint;
 this module reads the weights out of such files and out of everyone else's.
@@ -46,6 +45,7 @@ import torch.nn as nn
 
 from resmlp.core.checkpoint import FORMAT, load_checkpoint, resolve_checkpoint_path
 from resmlp.core.errors import UserError
+from resmlp.models.from_config import build_model, create_timm
 
 DINO_KEYS = ("teacher", "student")
 _WRAPPERS = ("model", "state_dict", "model_ema", "state_dict_ema")
@@ -113,12 +113,20 @@ def unwrap(obj: dict, key: str = "teacher", path: str = "") -> tuple[dict, dict]
             info["source"] = ("supervised" if ours else f"state_dict['{w}']")
             if ours and info["command"]:
                 info["source"] = str(info["command"])
-            return _strip(obj[w], "module."), info
+            return _one_network(_strip(obj[w], "module."), info, key, path)
     if _is_state_dict(obj):
         info["source"] = "state_dict"
-        return _strip(obj, "module."), info
+        return _one_network(_strip(obj, "module."), info, key, path)
     raise UserError(f"{path} holds no model weights (top-level keys: {_preview(obj)}); pass a "
                     "checkpoint of this project, an official DINO checkpoint or a ResMLP state_dict")
+
+
+def _one_network(sd: dict, info: dict, key: str, where: str) -> tuple[dict, dict]:
+    """A checkpoint of one network: asking for a DINO student would silently get it instead."""
+    if key == "student":
+        raise UserError(f"{where} holds one network ({info['source']}), not DINO's teacher and student: only "
+                        "a DINO checkpoint has a student; leave the key at teacher")
+    return sd, info
 
 
 # --------------------------------------------------------------------------- architecture
@@ -226,19 +234,6 @@ def _hub_offline_if_unreachable(pretrained: bool):
         constants.HF_HUB_OFFLINE = old
 
 
-def create_timm(name: str, **kwargs) -> nn.Module:
-    """timm.create_model, retried without img_size for architectures that take none
-    (a convnet): every command builds timm models through here."""
-    import timm
-    try:
-        return timm.create_model(name, **kwargs)
-    except TypeError:
-        if "img_size" not in kwargs:
-            raise
-        kwargs = {k: v for k, v in kwargs.items() if k != "img_size"}
-        return timm.create_model(name, **kwargs)
-
-
 def load_into(model: nn.Module, sd: Mapping, where: str, ignore_head: bool = False) -> None:
     """Load state_dict `sd` into `model`, all or nothing: a UserError names the missing,
     unexpected and shape-mismatched keys. Our ResMLPs take timm's and the official key
@@ -332,6 +327,7 @@ def load_backbone(spec, key: str = "teacher", device="cpu", pretrained: bool = T
     """
     spec = str(spec)
     if spec.startswith("timm:"):
+        _one_network({}, {"source": "timm"}, key, spec)
         model, info = _timm_backbone(spec, pretrained, img_size, in_chans)
     else:
         model, info = _load_file(spec, key, img_size)
@@ -387,7 +383,6 @@ def load_classifier(spec: str, architecture: str | None = None) -> tuple[nn.Modu
     state_dict with `architecture` naming a timm or ResMLP model."""
     from omegaconf import OmegaConf
 
-    from resmlp.models.from_config import build_model
     path = resolve_checkpoint_path(spec)
     obj = load_checkpoint(path)
     if any(isinstance(obj.get(k), Mapping) for k in DINO_KEYS) and "model" not in obj:
@@ -434,108 +429,5 @@ def describe(info: Mapping) -> str:
     return " ".join(str(b) for b in bits)
 
 
-# --------------------------------------------------------------------------- export
-
-FORMATS = ("timm", "official", "safetensors")
-# timm's ResMLP entry points, by (dim, depth, patch size) at 224 px
-TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (384, 36, 16): "resmlp_36_224",
-              (768, 24, 8): "resmlp_big_24_224"}
-
-
-def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None) -> tuple[Path, Path]:
-    """Write the backbone of `spec` (DINO: its `key` network) for use outside this project,
-    and a JSON beside it that says what it is and how to load it. Returns both paths.
-
-    timm         timm's keys (.pth): timm.create_model(<timm name>, pretrained=True,
-                 num_classes=0, pretrained_cfg_overlay=dict(file=...)) loads it
-    official     facebookresearch/deit resmlp_models.py keys (.pth); timm reads these too
-    safetensors  this project's keys in a .safetensors file:
-                 resmlp.models.load_pretrained(create_model(...), safetensors.torch.load_file(...))
-    """
-    from resmlp.models import export_state_dict
-    if fmt not in FORMATS:
-        raise UserError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
-    model, info = load_backbone(spec, key=key, pretrained=False)
-    if not info["is_resmlp"]:
-        raise UserError(f"{spec} is a timm {info['model']}: it is a timm model already, nothing to export")
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    base = Path(out) if out else (Path(info["path"]).parent / "export")
-    stem = f"{info['model']}_{info['key'] or 'backbone'}_{fmt}"
-    weights = base / (stem + (".safetensors" if fmt == "safetensors" else ".pth"))
-    base.mkdir(parents=True, exist_ok=True)
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-        save_file(sd, str(weights), metadata={"format": "resmlp-ssl", "model": info["model"]})
-    else:
-        from resmlp.core.checkpoint import atomic_write
-        with atomic_write(weights) as f:
-            torch.save(export_state_dict(sd, fmt), f)
-    card = export_card(info, fmt, weights)
-    from resmlp.eval.command import write_json
-    return weights, write_json(weights.with_suffix(".json"), card)
-
-
-def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
-    """What an exported file holds and how to use it: architecture, the data's
-    normalization and image size, and the k-NN result of its run if one is known."""
-    arch = dict(info["arch"])
-    cfg = info.get("config") or {}
-    data = dict(cfg.get("data") or {})
-    img = arch.get("img_size", data.get("img_size", 224))
-    card = {"format": fmt, "file": weights.name, "num_features": info.get("num_features"),
-            "source": {k: info.get(k) for k in ("spec", "source", "key", "epoch", "weights_hash")},
-            "architecture": {"model": info["model"], **arch},
-            "data": {"name": data.get("name"), "img_size": img, "patch_size": arch.get("patch_size"),
-                     "mean": data.get("mean", [0.485, 0.456, 0.406]), "std": data.get("std", [0.229, 0.224, 0.225]),
-                     "crop_ratio": data.get("crop_ratio")}}
-    timm_name = TIMM_NAMES.get((arch.get("dim"), arch.get("depth"), arch.get("patch_size")))
-    if fmt in ("timm", "official"):
-        kwargs = {"num_classes": 0}
-        if img != 224:
-            kwargs["img_size"] = img
-        if timm_name is None:
-            card["timm"] = None
-        else:
-            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-            card["timm"] = {"model": timm_name, "kwargs": kwargs,
-                            "load": f"timm.create_model({timm_name!r}, pretrained=True, {args}, "
-                                    f"pretrained_cfg_overlay=dict(file={str(weights.name)!r}))"}
-    else:
-        card["load"] = (f"resmlp.models.load_pretrained(resmlp.models.create_model({info['model']!r}, num_classes=0, "
-                        f"**architecture), safetensors.torch.load_file({weights.name!r}))")
-    knn = _known_knn(info)
-    if knn:
-        card["knn"] = knn
-    return card
-
-
-def _known_knn(info: Mapping) -> dict | None:
-    """The k-NN result of the checkpoint's run, from its results.json or knn.json."""
-    import json
-    if not info.get("run_dir"):
-        return None
-    run = Path(info["run_dir"])
-    try:
-        res = json.loads((run / "results.json").read_text())
-        if "knn_top1" in res and (info.get("key") in (None, "teacher")):
-            return {k: res.get(k) for k in ("knn_top1", "knn_top5", "knn_k", "knn_T", "data") if k in res}
-    except (OSError, ValueError):
-        pass
-    try:
-        res = json.loads((run / "knn.json").read_text())
-        if (res.get("checkpoint") or {}).get("weights_hash") == info.get("weights_hash"):
-            return {"results": res.get("results"), "protocol": res.get("protocol")}
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def run(cfg) -> int:
-    """bash run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student] [out=...]"""
-    weights, card = export(cfg.checkpoint, str(cfg.export.format), str(cfg.features.key), cfg.out)
-    print(f"wrote {weights}\nwrote {card}", flush=True)
-    return 0
-
-
-__all__ = ["create_timm", "describe", "export", "infer_arch", "load_backbone", "load_classifier", "load_into",
+__all__ = ["describe", "infer_arch", "load_backbone", "load_classifier", "load_into",
            "resmlp_from_state_dict", "unwrap", "weights_hash"]

@@ -1,0 +1,122 @@
+"""`run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student]`:
+a backbone for use outside this project, with a JSON card beside it that says what it is
+and how to load it. The weights come through resmlp.models.load, as every command's do,
+and leave in timm's or the official keys through resmlp.models.convert.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from resmlp.core.checkpoint import atomic_write, resolve_checkpoint_path
+from resmlp.core.errors import UserError
+from resmlp.core.report import write_json
+from resmlp.models import export_state_dict
+from resmlp.models.load import load_backbone
+
+FORMATS = ("timm", "official", "safetensors")
+# timm's ResMLP entry points, by (dim, depth, patch size) at 224 px
+TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (384, 36, 16): "resmlp_36_224",
+              (768, 24, 8): "resmlp_big_24_224"}
+
+
+def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None) -> tuple[Path, Path]:
+    """Write the backbone of `spec` (DINO: its `key` network) for use outside this project,
+    and a JSON beside it that says what it is and how to load it. Returns both paths.
+
+    timm         timm's keys (.pth): timm.create_model(<timm name>, pretrained=True,
+                 num_classes=0, pretrained_cfg_overlay=dict(file=...)) loads it
+    official     facebookresearch/deit resmlp_models.py keys (.pth); timm reads these too
+    safetensors  this project's keys in a .safetensors file:
+                 resmlp.models.load_pretrained(create_model(...), safetensors.torch.load_file(...))
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    model, info = load_backbone(spec, key=key, pretrained=False)
+    if not info["is_resmlp"]:
+        raise UserError(f"{spec} is a timm {info['model']}: it is a timm model already, nothing to export")
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    base = Path(out) if out else (Path(info["path"]).parent / "export")
+    stem = f"{info['model']}_{info['key'] or 'backbone'}_{fmt}"
+    weights = base / (stem + (".safetensors" if fmt == "safetensors" else ".pth"))
+    base.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file(sd, str(weights), metadata={"format": "resmlp-ssl", "model": info["model"]})
+    else:
+        with atomic_write(weights, what="the exported weights") as f:
+            torch.save(export_state_dict(sd, fmt), f)
+    card = export_card(info, fmt, weights)
+    return weights, write_json(weights.with_suffix(".json"), card)
+
+
+def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
+    """What an exported file holds and how to use it: architecture, the data's
+    normalization and image size, and the k-NN result of its run if one is known."""
+    arch = dict(info["arch"])
+    cfg = info.get("config") or {}
+    data = dict(cfg.get("data") or {})
+    img = arch.get("img_size", data.get("img_size", 224))
+    card = {"format": fmt, "file": weights.name, "num_features": info.get("num_features"),
+            "source": {k: info.get(k) for k in ("spec", "source", "key", "epoch", "weights_hash")},
+            "architecture": {"model": info["model"], **arch},
+            "data": {"name": data.get("name"), "img_size": img, "patch_size": arch.get("patch_size"),
+                     "mean": data.get("mean", [0.485, 0.456, 0.406]), "std": data.get("std", [0.229, 0.224, 0.225]),
+                     "crop_ratio": data.get("crop_ratio")}}
+    timm_name = TIMM_NAMES.get((arch.get("dim"), arch.get("depth"), arch.get("patch_size")))
+    if fmt in ("timm", "official"):
+        kwargs = {"num_classes": 0}
+        if img != 224:
+            kwargs["img_size"] = img
+        if timm_name is None:
+            card["timm"] = None
+        else:
+            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            card["timm"] = {"model": timm_name, "kwargs": kwargs,
+                            "load": f"timm.create_model({timm_name!r}, pretrained=True, {args}, "
+                                    f"pretrained_cfg_overlay=dict(file={str(weights.name)!r}))"}
+    else:
+        card["load"] = (f"resmlp.models.load_pretrained(resmlp.models.create_model({info['model']!r}, num_classes=0, "
+                        f"**architecture), safetensors.torch.load_file({weights.name!r}))")
+    knn = _known_knn(info)
+    if knn:
+        card["knn"] = knn
+    return card
+
+
+def _known_knn(info: Mapping) -> dict | None:
+    """The k-NN result of the checkpoint's run, from its results.json or knn.json."""
+    if not info.get("run_dir"):
+        return None
+    run = Path(info["run_dir"])
+    try:
+        res = json.loads((run / "results.json").read_text())
+        if "knn_top1" in res and (info.get("key") in (None, "teacher")):
+            return {k: res.get(k) for k in ("knn_top1", "knn_top5", "knn_k", "knn_T", "data") if k in res}
+    except (OSError, ValueError):
+        pass
+    try:
+        res = json.loads((run / "knn.json").read_text())
+        if (res.get("checkpoint") or {}).get("weights_hash") == info.get("weights_hash"):
+            return {"results": res.get("results"), "protocol": res.get("protocol")}
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def results_dir(cfg) -> Path | None:
+    """Where run() writes: out=, else export/ beside the checkpoint (a timm:<name> is refused later)."""
+    if cfg.out:
+        return Path(cfg.out)
+    spec = str(cfg.checkpoint)
+    return None if spec.startswith("timm:") else resolve_checkpoint_path(spec).parent / "export"
+
+
+def run(cfg) -> int:
+    """bash run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student] [out=...]"""
+    weights, card = export(cfg.checkpoint, str(cfg.export.format), str(cfg.features.key), cfg.out)
+    print(f"wrote {weights}\nwrote {card}", flush=True)
+    return 0

@@ -1,0 +1,173 @@
+"""dino.cuda_graphs (ssl/graphs.py): the step with its schedules in device tensors. On the
+CPU its arithmetic runs uncaptured against DinoStep's own; the capture itself needs CUDA."""
+import pytest
+import torch
+
+from resmlp.bench import rows as R
+from resmlp.core.config import load_config
+from resmlp.core.errors import UserError
+from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
+
+needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py); the campaign runs them
+
+TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out_dim=64", "dino.hidden_dim=32",
+        "dino.bottleneck_dim=16", "dino.n_local_crops=2", "model.drop_path_rate=0.0", "data=imagefolder",
+        "data.img_size=32", "model.patch_size=8", "data.local_size=16", "dino.freeze_last_layer=1"]
+# (lr, weight decay, momentum, teacher temperature, epoch): every value moves, the last
+# layer unfreezes half-way, and the decay is large enough that a wrong one would show
+SCHEDULE = [(1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4, 0.994, 0.06, 1),
+            (2.5e-3, 0.5, 0.996, 0.07, 1), (2e-3, 0.6, 0.998, 0.07, 1)]
+
+
+def tiny(*extra):
+    from resmlp.data.crop_plan import crop_plan
+    cfg = load_config("dino", "resmlp_s12", [*TINY, *extra])
+    return cfg, crop_plan(cfg)
+
+
+def twin_steps(device, precision="fp32", compile=False, graphed_kw=None):
+    """The same step twice, same weights: (DinoStep as it is, DinoStep with GraphedStep)."""
+    cfg, plan = tiny()
+    torch.manual_seed(0)
+    plain = R.build_our_step(cfg, device, precision, compile=compile)
+    graphed = R.build_our_step(cfg, device, precision, compile=compile)
+    graphed.student.load_state_dict(plain.student.state_dict())
+    graphed.teacher.load_state_dict(plain.teacher.state_dict())
+    graphed.graphed = GraphedStep(graphed, **(graphed_kw or {}))
+    return plain, graphed, plan
+
+
+def last_layer(step):
+    return step.raw_student.head.last_layer.weight_v
+
+
+def test_tensor_schedules_give_the_steps_of_plain_numbers():
+    """Five steps with every schedule moving and the frozen last layer thawing: the graph's
+    arithmetic (uncaptured on the CPU) gives DinoStep's losses, weights, center and AdamW
+    state, and the frozen layer and its state are bitwise untouched while frozen."""
+    cpu = torch.device("cpu")
+    plain, graphed, plan = twin_steps(cpu, graphed_kw={"capture": False})
+    frozen_at_start = last_layer(graphed).detach().clone()
+    for i, (lr, wd, m, temp, epoch) in enumerate(SCHEDULE):
+        crops = R.synthetic_crops(plan, 8, cpu, seed=i)
+        a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)
+        b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)
+        torch.testing.assert_close(b[0], a[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+        if epoch == 0:
+            assert torch.equal(last_layer(graphed), frozen_at_start)
+            state = graphed.optimizer.state[last_layer(graphed)]
+            assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    assert not torch.equal(last_layer(graphed), frozen_at_start)
+    assert graphed.graphed.captures == 0
+    torch.testing.assert_close(graphed.loss_fn.center, plain.loss_fn.center, rtol=1e-6, atol=1e-7)
+    for name, net in (("student", "raw_student"), ("teacher", "teacher")):
+        for (n, p), q in zip(getattr(plain, net).named_parameters(), getattr(graphed, net).parameters()):
+            # AdamW turns the rounding differences of tiny gradients into differences of
+            # a small fraction of lr (here up to 3e-3): far below what a wrong lr, decay
+            # or momentum would make
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-5, msg=f"{name} {n}")
+    for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
+        if p in plain.optimizer.state:
+            sp, sq = plain.optimizer.state[p], graphed.optimizer.state[q]
+            assert float(sp["step"]) == float(sq["step"])
+            assert (sq["exp_avg"] - sp["exp_avg"]).norm() <= 1e-3 * sp["exp_avg"].norm()
+    values = [s.read() for s in (plain, graphed)]
+    assert values[0]["steps"] == values[1]["steps"] == len(SCHEDULE)
+    for key in ("loss", "teacher_entropy", "teacher_kl_mean"):
+        assert values[1][key] == pytest.approx(values[0][key], rel=1e-5)
+
+
+def test_the_switch():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert not use_cuda_graphs("false", gpu, 1, False) and not use_cuda_graphs(False, gpu, 1, False)
+    assert use_cuda_graphs("auto", gpu, 1, False) and use_cuda_graphs(True, gpu, 1, False)
+    assert not use_cuda_graphs("auto", cpu, 1, False) and not use_cuda_graphs("auto", gpu, 2, False)
+    assert not use_cuda_graphs("auto", gpu, 1, True)
+    for args, why in (((cpu, 1, False), "CUDA GPU"), ((gpu, 2, False), "single process"),
+                      ((gpu, 1, True), "GradScaler")):
+        with pytest.raises(UserError, match=why):
+            use_cuda_graphs("true", *args)
+    with pytest.raises(UserError, match="one of true, false, auto"):
+        use_cuda_graphs("sometimes", gpu, 1, False)
+    cfg, _ = tiny()
+    assert str(cfg.dino.cuda_graphs) == "false"  # off until a GPU run shows it faster
+    with pytest.raises(UserError, match="dino.cuda_graphs=true needs a CUDA GPU"):
+        R.build_our_step(tiny("dino.cuda_graphs=true")[0], cpu, "fp32", compile=False)
+    assert R.build_our_step(tiny("dino.cuda_graphs=auto")[0], cpu, "fp32", compile=False).graphed is None
+
+
+# ---- CUDA (run by the GPU campaign) ---------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_graphed_steps_equal_eager_steps_and_capture_once(compile):
+    """N graphed steps (warm-up, one capture, replays) against N steps of DinoStep, bf16:
+    the same losses and weights to bf16 rounding; one capture, and no recompilation after it."""
+    dev = torch.device("cuda")
+    plain, graphed, plan = twin_steps(dev, "bf16", compile=compile)
+    g = graphed.graphed
+    schedule = SCHEDULE + [(1.5e-3, 0.1, 0.998, 0.07, 1)] * 4
+    compiled_graphs = None
+    try:
+        for i, (lr, wd, m, temp, epoch) in enumerate(schedule):
+            crops = R.synthetic_crops(plan, 8, dev, seed=i)
+            a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+            b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+            torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+            if i + 1 == g.calls_to_steady_state:
+                compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert g.captures == 1 and g.calls == len(schedule)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_graphs
+        for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
+            torch.testing.assert_close(q, p, rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(graphed.loss_fn.center, plain.loss_fn.center, rtol=2e-2, atol=2e-3)
+        assert graphed.read()["nonfinite"] == 0
+    finally:
+        torch._dynamo.reset()
+
+
+@needs_cuda
+def test_graphed_step_never_reads_the_device():
+    """After the capture: augmentation + replay under torch's sync debug mode (raises at any
+    synchronizing call)."""
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    dev = torch.device("cuda")
+    cfg, plan = tiny("dino.cuda_graphs=true")
+    step = R.build_our_step(cfg, dev, "bf16", compile=False)
+    aug = GpuMultiCrop.from_plan(plan, cfg.data, out_dtype=torch.bfloat16)
+    images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8, device=dev)
+    keys = torch.arange(8, device=dev)
+    sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1).to(dev)
+    for i in range(step.graphed.calls_to_steady_state):
+        step(aug(images, seed=0, keys=keys + 8 * i, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3):
+            step(aug(images, seed=0, keys=keys + 100 + 8 * i, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert step.graphed.captures == 1
+    assert step.read()["nonfinite"] == 0
+
+
+@needs_cuda
+@pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").exists(),
+                    reason="Debian's dataset-fashion-mnist is not installed")
+def test_the_trainer_runs_graphed(tmp_path, monkeypatch):
+    """Two epochs of the trainer with dino.cuda_graphs=true (loader workers with pinned
+    memory beside the capture, the last layer thawing after epoch 1): finite, one capture."""
+    from resmlp.ssl import step as step_module
+    from resmlp.ssl import train as dino_train
+    built = []
+    real = step_module.build_dino_step
+    monkeypatch.setattr(dino_train, "build_dino_step", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", "model.dim=16", "model.depth=2", "data.subset=256",
+                                             "batch_size=32", "epochs=2", "dino.out_dim=64", "dino.hidden_dim=32",
+                                             "dino.bottleneck_dim=16", "dino.n_local_crops=2", "num_workers=2",
+                                             "eval_every=0", "dino.final_linear=false", "dino.cuda_graphs=true",
+                                             f"out={tmp_path}"])
+    summary = dino_train.train(cfg)[3]
+    assert built[0].graphed.captures == 1 and built[0].graphed.calls == 16
+    assert summary["knn_top1"] == 50.0
