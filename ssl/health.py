@@ -94,3 +94,11 @@ class CollapseWatch:
         return (f"the teacher's targets barely depend on the image (KL to the batch-mean target {kl:.3f} < "
                 f"{self.threshold:g} for {self.patience} log lines): DINO is collapsing to uniform targets"
                 + (f"; {self.advice}" if self.advice else "") + " (docs/dino_learning.md)")
+
+    # The count of lines under the threshold goes into the checkpoint, so that a resumed run
+    # neither warns again for an episode it already reported nor forgets one under way.
+    def state_dict(self) -> dict:
+        return {"below": self.below}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.below = int(state["below"])

@@ -118,8 +118,9 @@ def train(cfg, hooks: DinoHooks | None = None):
                                           cfg.dino.warmup_teacher_temp_epochs, E, ipe)
 
     # ---- resume, or the k-NN at init ----------------------------------------------------------
+    collapse = CollapseWatch(collapse_kl(cfg.dino), cfg.dino.collapse_patience, drift_advice(cfg.dino))
     state = {"student": step.raw_student, "teacher": teacher, "optimizer": step.optimizer,
-             "center": step.loss_fn.center, "scaler": run.scaler}
+             "center": step.loss_fn.center, "scaler": run.scaler, "collapse": collapse}
     start_it, results = run.restore(**state)
     knn_images = {}  # the eval images, loaded and transformed once for every k-NN of the run
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
@@ -131,7 +132,6 @@ def train(cfg, hooks: DinoHooks | None = None):
         if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
             results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=knn_images)
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
-    collapse = CollapseWatch(collapse_kl(cfg.dino), cfg.dino.collapse_patience, drift_advice(cfg.dino))
 
     run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} iterations, global "
               f"batch {cfg.batch_size} on {run.world_size} x {device.type}, crops {plan.label()} px "

@@ -95,6 +95,21 @@ def test_collapse_watch_warns_once_per_episode_and_names_the_knob():
         CollapseWatch(0.35, 0)
 
 
+def test_collapse_watch_resumes_its_episode_from_the_checkpoint():
+    """A resumed run continues the watch where its checkpoint left it: an episode already
+    reported is not reported again, one under way warns at the same line as without the stop."""
+    lines = (0.3, 0.2, 0.1, 0.1, 0.1, 0.5, 0.3, 0.2, 0.1)
+    whole = CollapseWatch(0.35, 3)
+    want = [i for i, kl in enumerate(lines) if whole.update(kl)]
+    for cut in range(1, len(lines)):
+        before = CollapseWatch(0.35, 3)
+        said = [i for i, kl in enumerate(lines[:cut]) if before.update(kl)]
+        after = CollapseWatch(0.35, 3)
+        after.load_state_dict(dict(before.state_dict()))
+        said += [cut + i for i, kl in enumerate(lines[cut:]) if after.update(kl)]
+        assert said == want == [2, 8], cut
+
+
 def test_drift_advice_names_the_remedy_that_fits_the_setting(tmp_path):
     def advice(*overrides):
         return drift_advice(load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", *overrides]).dino)
