@@ -160,3 +160,4 @@ def test_bad_centering_or_koleo_weight_is_one_line_exit_2(tmp_path, capsys, over
                      f"out={tmp_path / 'run'}", override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made
