@@ -1,0 +1,114 @@
+"""Continuing DINO from weights without wrecking them (issue 30, part 5; docs/dino_learning.md).
+
+    python studies/dino_continue.py prepare DIR       # the study's image folders, as PNGs
+    python studies/dino_continue.py table RUN [RUN ...] [--low-shot]   # the table of the runs
+
+The stand-in for a released checkpoint is the CPU demo's teacher pretrained on the
+Fashion-MNIST classes 0-4 only, exported in timm's format; it is then continued on
+unlabeled images of all ten classes and judged by k-NN on all ten. `prepare` writes:
+
+    DIR/fm04/train/<class>/*.png, DIR/fm04/val/<class>/*.png   classes 0-4 (an image folder:
+        the stand-in's pretraining, `data=imagefolder`)
+    DIR/fm10/*.png    the continuation's unlabeled images: the 5000 training images the demo
+        takes from all ten classes (data.subset=5000's class-balanced pick), no class folders
+        (`data=folder`)
+
+The runs themselves are the project's commands (`bash run.sh dino ...`, `export`, `knn`);
+docs/dino_learning.md lists each one. `table` reads their results.json and log.jsonl (the
+k-NN of every epoch: eval_every=1) and, with --low-shot, the knn.json the low-shot k-NN
+wrote into each run dir.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CLASSES_PRETRAINED = (0, 1, 2, 3, 4)
+CONTINUE_IMAGES = 5000   # the demo's data.subset
+
+
+def _write(images: np.ndarray, folder: Path, stems) -> None:
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    for img, stem in zip(images, stems):
+        Image.fromarray(img, mode="L").save(folder / f"{stem}.png")
+
+
+def prepare(out: Path) -> None:
+    from resmlp.data.fashion_mnist import find_idx_dir, load_split, search_dirs
+    from resmlp.data.subset import balanced_subset_indices
+    folder = next((f for f in map(find_idx_dir, search_dirs()) if f), None)
+    if folder is None:
+        sys.exit("Fashion-MNIST not found (apt-get install dataset-fashion-mnist)")
+    for split, sub in (("train", "train"), ("test", "val")):
+        images, labels = load_split(folder, split)
+        for k in CLASSES_PRETRAINED:
+            idx = np.flatnonzero(labels == k)
+            _write(images[idx], out / "fm04" / sub / str(k), (f"{i:05d}" for i in idx))
+        print(f"fm04/{sub}: {int(np.isin(labels, CLASSES_PRETRAINED).sum())} images of classes "
+              f"{', '.join(map(str, CLASSES_PRETRAINED))}")
+    images, labels = load_split(folder, "train")
+    idx = balanced_subset_indices(labels, CONTINUE_IMAGES, 10)
+    _write(images[idx], out / "fm10", (f"{i:05d}" for i in idx))
+    print(f"fm10: {len(idx)} unlabeled images of all ten classes (the demo's data.subset={CONTINUE_IMAGES} pick)")
+
+
+# ---------------------------------------------------------------------------- the table
+
+def _curve(run: Path) -> list[tuple[float, float]]:
+    """(epoch, k-NN top-1) of every k-NN the run logged, at init (epoch 0) to the end."""
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return [(r["epoch"], r["knn_top1"]) for r in rows if "knn_top1" in r]
+
+
+def row(run: Path, low_shot: bool = False) -> dict:
+    res = json.loads((run / "results.json").read_text())
+    curve = _curve(run)
+    start = res.get("init_knn_top1", curve[0][1] if curve else None)
+    warm = res.get("after_warmup_knn_top1")
+    out = {"run": run.name, "start": start, "after warm-up": warm, "end": res["knn_top1"],
+           "lowest": min(v for _, v in curve) if curve else None,
+           "lowest at epoch": min(curve, key=lambda c: c[1])[0] if curve else None,
+           "wall s": res.get("wall_time_s")}
+    if low_shot:
+        knn = json.loads((run / "knn.json").read_text())
+        for n, v in _low_shot(knn).items():
+            out[f"{n}/class"] = v
+    return out
+
+
+def _low_shot(knn: dict) -> dict:
+    """{n per class: 'mean ± std' of top-1 at the headline k} from a knn.json."""
+    shots = knn.get("low_shot") or {}
+    out = {}
+    for n, entry in shots.items():
+        out[n] = f"{entry['top1_mean']:.2f} ± {entry['top1_std']:.2f}"
+    return out
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def table(runs: list[Path], low_shot: bool = False) -> str:
+    rows = [row(r, low_shot) for r in runs]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if len(args) >= 2 and args[0] == "prepare":
+        prepare(Path(args[1]))
+    elif len(args) >= 2 and args[0] == "table":
+        shots = "--low-shot" in args
+        print(table([Path(a) for a in args[1:] if a != "--low-shot"], shots))
+    else:
+        sys.exit(__doc__)
