@@ -51,6 +51,7 @@ class DinoStep:
     graphed: object = None           # ssl.graphs.GraphedStep, with dino.cuda_graphs
     head_warmup_epochs: int = 0      # dino.init: epochs of the head alone on the frozen backbone
     backbone_frozen: bool = False
+    ddp: dict | None = None          # DistributedDataParallel's arguments, with more than one process
 
     @property
     def raw_student(self) -> nn.Module:
@@ -121,10 +122,17 @@ class DinoStep:
 
     def freeze_backbone(self, frozen: bool) -> None:
         """The student's backbone out of (or back into) training: without requires_grad it
-        gets no gradient, so the optimizer skips it and the backward stops at the head."""
-        if frozen != self.backbone_frozen:
-            self.raw_student.backbone.requires_grad_(not frozen)
-            self.backbone_frozen = frozen
+        gets no gradient, so the optimizer skips it and the backward stops at the head.
+        DDP is wrapped anew, since it reduces the gradients of the parameters that required
+        one when it was made (the same weights on every rank: nothing changes)."""
+        if frozen == self.backbone_frozen:
+            return
+        self.raw_student.backbone.requires_grad_(not frozen)
+        self.backbone_frozen = frozen
+        if self.ddp is not None:
+            self.student = torch.nn.parallel.DistributedDataParallel(self.raw_student, **self.ddp)
+            if self.forward_student is not None:
+                self.forward_student = torch.compile(self.student)
 
 
 def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False,
@@ -165,13 +173,11 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
                                 backbone_lr_scale=start.lr_scale if start is not None else None)
     warmup = start.warmup_epochs if start is not None else 0
     trained = student
-    if world_size > 1:
-        # the frozen backbone of the head warm-up has no gradient for DDP to wait for
-        trained = torch.nn.parallel.DistributedDataParallel(
-            student, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=warmup > 0)
+    ddp = {"device_ids": [device.index] if device.type == "cuda" else None} if world_size > 1 else None
+    if ddp is not None:
+        trained = torch.nn.parallel.DistributedDataParallel(student, **ddp)
     step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast,
-                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup)
+                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup, ddp=ddp)
     if cfg.compile:
         step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
     if graphs:

@@ -267,3 +267,28 @@ def test_init_on_a_run_dir_with_its_own_state_says_which_to_drop(tmp_path):
     assert "\n" not in line and "started without dino.init" in line
     assert "drop dino.init to continue that run, or pass out=<another dir>" in line
     assert {p.name: p.read_bytes() for p in run.iterdir()} == files     # nothing written, nothing taken
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_two_processes_keep_the_warmup_and_stay_in_step(tmp_path):
+    import socket
+    path, _ = timm_file(tmp_path / "timm.pth")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # device=cpu (gloo); DDP is wrapped anew when the backbone joins
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={port}", "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY,
+                           f"out={tmp_path / 'two'}", f"dino.init={path}", "data.subset=128", "device=cpu",
+                           "save_rank_weights=true"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / "two" / f"weights_rank{r}.pth") for r in (0, 1)]
+    for key in ("student", "teacher"):
+        for name, value in ranks[0][key].items():
+            assert torch.equal(value, ranks[1][key][name]), f"ranks differ: {key}.{name}"
+    warm = torch.load(tmp_path / "two" / "checkpoint_prev.pth", weights_only=False)   # the end of epoch 1
+    given = torch.load(path)
+    assert torch.equal(warm["student"]["backbone.blocks.0.cross_patch.weight"], given["blocks.0.linear_tokens.weight"])
+    assert not torch.equal(ranks[0]["student"]["backbone.blocks.0.cross_patch.weight"],
+                           given["blocks.0.linear_tokens.weight"])
