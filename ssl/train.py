@@ -212,7 +212,9 @@ def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
     if init and run.is_main:
         pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
                   if "pixels" in results else "")
-        run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} after {cfg.epochs} "
+        warm = results.get("after_warmup")
+        warm = f"{warm['knn_top1']:.2f} after the head warm-up -> " if warm else ""
+        run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {warm}{final['knn_top1']:.2f} after {cfg.epochs} "
                   f"epochs ({final['knn_top1'] - init['knn_top1']:+.2f}){pixels}")
     if run.is_main:
         print(f"knn top1={final['knn_top1']:.2f} top5={final['knn_top5']:.2f} "
