@@ -25,6 +25,7 @@ it (`require_classes`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -184,8 +185,12 @@ def eval_data(cfg):
                             f"eval.data=<{'|'.join(LABELED)}>")
         return cfg.data if dataset_info(cfg.data).labeled else None
     own = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml").data
-    if judge.get("root", None) is None and DATASETS[name].build is imagefolder.build:
+    root = judge.get("root", None)
+    if root is None and DATASETS[name].build is imagefolder.build:
         raise UserError(f"eval.data={name} needs eval.root=DIR, the folder with train/<class>/ and val/<class>/")
+    if root is not None and not os.path.isdir(os.path.expanduser(str(root))):
+        raise UserError(f"eval.root={root} is {'a file' if os.path.exists(os.path.expanduser(str(root))) else 'not there'}"
+                        f"; give the folder that holds eval.data={name}'s files")
     base = OmegaConf.load(CONFIG_DIR / "defaults.yaml").data
     return OmegaConf.merge(base, own, {
         "name": name, "root": judge.get("root", None), "subset": judge.get("subset", None),

@@ -262,7 +262,7 @@ def load_listing(directory: Path, root: str, files: str | None, skip_corrupt: bo
     try:
         with open(path, encoding="utf-8") as f:
             head = json.loads(f.readline())
-            rel = [json.loads(line) for line in f]
+            rel = json.loads("[" + ",".join(f.read().splitlines()) + "]")   # one parse, not one per line
     except (OSError, ValueError) as e:
         return None, f"{path} cannot be read ({e})"
     made = (head.get("root"), head.get("files"), bool(head.get("skip_corrupt")))
@@ -270,7 +270,8 @@ def load_listing(directory: Path, root: str, files: str | None, skip_corrupt: bo
         return None, f"{path} was made from data.root={made[0]} data.files={made[1]} skip_corrupt={made[2]}"
     if len(rel) != head.get("count"):
         return None, f"{path} holds {len(rel)} paths where it was made with {head.get('count')}"
-    paths = [os.path.join(root, p) for p in rel]
+    prefix = root.rstrip(os.sep) + os.sep
+    paths = [p if os.path.isabs(p) else prefix + p for p in rel]
     return Scan(root, files, paths, Skipped.from_dict(head.get("skipped", {})), head.get("unreadable")), ""
 
 

@@ -87,6 +87,7 @@ def train(cfg, hooks: DinoHooks | None = None):
     `hooks` are a study's extension points (ssl.networks.DinoHooks)."""
     hooks = hooks or DinoHooks()
     demo = bool(cfg.demo)
+    judge = eval_data(cfg)  # the labeled set the k-NN and linear probe read (None: no labels)
     lists = FileLists(run_dir(cfg))  # a folder is scanned once per run dir: a resumed run reads its list
     fitted = fit_demo_subset(cfg, lists)
     run = Run(cfg)
@@ -100,7 +101,6 @@ def train(cfg, hooks: DinoHooks | None = None):
     ipe = sampler.batches_per_epoch
     # the k-NN's bank is the train split of the labeled set (eval_data): its k must fit before
     # any work; without one the run reports its health only
-    judge = eval_data(cfg)
     if judge is not None:
         check_ks(cfg.knn.k, len(dataset) if judge is cfg.data and train_split_for_ssl(cfg.data) == "train" else
                  len(build_dataset(judge, "train")))
