@@ -181,14 +181,20 @@ def read_file_list(list_path: str, root: str | None) -> Scan:
     return Scan(root or base, list_path, sorted(paths), skipped)
 
 
-def screen(paths: list[str], where: str, skip_corrupt: bool, check: bool) -> list[tuple[str, str]]:
-    """With data.skip_corrupt or data.check: open every image once (rank 0, shared with the
-    others) and return the unreadable [(path, reason)]; any is a UserError unless skip_corrupt."""
+def screen(paths: list[str], where: str, skip_corrupt: bool, check: bool,
+           shared: bool = True) -> list[tuple[str, str]]:
+    """With data.skip_corrupt or data.check: open every image once and return the unreadable
+    [(path, reason)]; any is a UserError unless skip_corrupt. shared: every rank calls this,
+    rank 0 opens the files and hands the result to the others; False: this process alone
+    (FileLists' rank 0, which hands over the whole scan)."""
     if not (skip_corrupt or check):
         return []
     if dist.is_main():
         print(f"data: opening all {len(paths)} images under {where} to find unreadable ones", flush=True)
-    bad = dist.broadcast_object(find_unreadable(paths) if dist.is_main() else None)
+    if shared:
+        bad = dist.broadcast_object(find_unreadable(paths) if dist.is_main() else None)
+    else:
+        bad = find_unreadable(paths)
     if bad and not skip_corrupt:
         path, reason = bad[0]
         raise UserError(f"{len(bad)} unreadable image(s) under {where}, the first {path} ({reason}); "
@@ -215,15 +221,17 @@ def folder_root(data_cfg) -> tuple[str | None, str | None]:
     return root, files
 
 
-def find(data_cfg) -> Scan:
-    """The images data.root / data.files names, screened as data.skip_corrupt / check ask."""
+def find(data_cfg, shared: bool = True) -> Scan:
+    """The images data.root / data.files names, screened as data.skip_corrupt / check ask
+    (shared: as `screen`'s)."""
     root, files = folder_root(data_cfg)
     scan = read_file_list(files, root) if files else scan_folder(root)
     where = files or root
     if not scan.paths:
         raise UserError(f"no images under data.root={root} (looked for {' '.join(IMG_EXTENSIONS)} at any "
                         f"depth; skipped {scan.skipped.total()} other entries); {_USAGE}")
-    bad = screen(scan.paths, where, bool(data_cfg.get("skip_corrupt", False)), bool(data_cfg.get("check", False)))
+    bad = screen(scan.paths, where, bool(data_cfg.get("skip_corrupt", False)), bool(data_cfg.get("check", False)),
+                 shared)
     if bad and data_cfg.get("skip_corrupt", False):
         drop = {p for p, _ in bad}
         scan.paths = [p for p in scan.paths if p not in drop]
@@ -301,7 +309,7 @@ class FileLists:
                 if scan is None:
                     if self.directory is not None and why != "no saved list":
                         print(f"data: scanning again: {why}", flush=True)
-                    scan = find(data_cfg)
+                    scan = find(data_cfg, shared=False)   # rank 0 alone: the others wait below
                     self.scan_count += 1
                     self.fresh[key] = scan
                 else:

@@ -184,6 +184,22 @@ def test_rank_zero_scans_and_the_others_take_its_list(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()                  # rank 0 writes the list
 
 
+def test_rank_zero_hands_over_its_scan_in_one_collective(mixed, tmp_path, monkeypatch):
+    """Rank 0 scans (and opens every image for data.skip_corrupt) alone: the other ranks wait
+    in the one broadcast that carries the whole result."""
+    sent = []
+    monkeypatch.setattr(folder_mod.dist, "broadcast_object", lambda obj: sent.append(obj) or obj)
+    cfg = OmegaConf.create({"name": "folder", "root": str(mixed), "skip_corrupt": True})
+    scan = FileLists(tmp_path / "run").get(cfg)
+    assert len(sent) == 1 and sent[0][0] == "ok" and sent[0][1] is scan
+    assert len(scan.paths) == 8 and [os.path.basename(p) for p, _ in scan.unreadable] == ["broken.jpg"]
+    sent.clear()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no images under"):
+        FileLists(None).get(OmegaConf.create({"name": "folder", "root": str(tmp_path / "empty")}))
+    assert len(sent) == 1 and sent[0][0] == "error"       # an error reaches every rank too
+
+
 def count_scans(monkeypatch) -> list:
     calls = []
     real = folder_mod.scan_folder
