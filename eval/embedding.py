@@ -73,7 +73,7 @@ def draw(xy: np.ndarray, labels, class_names, picture: np.ndarray | None, title:
     import matplotlib
     from resmlp.eval.figure import new_figure, wrap
     panels = 1 + (picture is not None)
-    fig = new_figure(6.2 * panels, 6.4, dpi)
+    fig = new_figure(6.2 * panels + (1.4 if labels is not None else 0), 6.4, dpi)
     ax = fig.add_subplot(1, panels, 1)
     if labels is not None:
         labels = np.asarray(labels)
@@ -85,7 +85,7 @@ def draw(xy: np.ndarray, labels, class_names, picture: np.ndarray | None, title:
             name = class_names[y] if 0 <= y < len(class_names) else str(y)
             ax.scatter(xy[at, 0], xy[at, 1], s=4, color=color, label=name, linewidths=0)
         if len(classes) <= 20:
-            ax.legend(fontsize=6, markerscale=3, loc="best", frameon=False)
+            ax.legend(fontsize=7, markerscale=3, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     else:
         ax.scatter(xy[:, 0], xy[:, 1], s=4, color="#555555", linewidths=0)
     ax.set_xticks([])
