@@ -28,6 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 from resmlp.core.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# What of a run's data section describes its network's input: carried over to an evaluation
+# of the run on another data set (data=<name> on the command line).
+TRAINED_ON = ("img_size", "mean", "std")
 
 
 def available(group: str) -> list[str]:
@@ -116,11 +119,16 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
             cfg = OmegaConf.merge(cfg, _load_yaml(path))
     if base is not None:
         saved = OmegaConf.create(base)
-        # Only what describes the network and its data carries over from a saved run.
+        # Only what describes the network and its data carries over from a saved run; on
+        # another data set than the run's, only what the network was trained on (its image
+        # size and normalization), not where the run's files were or how they were read.
         for section in ("model", "data"):
             if section in saved:
+                part = saved[section]
+                if section == "data" and part.get("name") != data:
+                    part = OmegaConf.create({k: part[k] for k in TRAINED_ON if k in part})
                 OmegaConf.set_struct(cfg, True)
-                cfg[section] = OmegaConf.merge(cfg[section], _known(saved[section], cfg[section]))
+                cfg[section] = OmegaConf.merge(cfg[section], _known(part, cfg[section]))
                 OmegaConf.set_struct(cfg, False)
     cfg.command = command
     if model:
