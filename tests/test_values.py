@@ -107,6 +107,14 @@ def test_local_crops_larger_than_the_global_ones_are_refused(strategy, tmp_path,
     assert "data.local_size=48 is larger than data.img_size=32" in line
 
 
+def test_compare_refuses_them_before_its_first_path_trains(tmp_path, capsys, monkeypatch):
+    from resmlp.supervised import compare
+    monkeypatch.setattr(compare, "run_step", lambda *a: pytest.fail("trained a path"))
+    line = refused(["compare", "resmlp_s12", "demo=false", "compare.common=[data.local_size=48]"], tmp_path, capsys,
+                   monkeypatch)
+    assert "the dino path" in line and "data.local_size=48 is larger than data.img_size=32" in line
+
+
 # ---- 3. one line before any work -------------------------------------------------------------------
 @pytest.mark.parametrize("argv,says", [
     (["knn", RANDOM, "knn.k=[10,"], "bad value in 'knn.k=[10,': not a value"),
