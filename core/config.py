@@ -175,6 +175,11 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
 WHOLE_MAX = 2**63 - 1
 
 
+def _holds(v) -> bool:
+    """A number the code can hold: a finite one, and a whole one within int64."""
+    return math.isfinite(v) if isinstance(v, float) else -WHOLE_MAX - 1 <= v <= WHOLE_MAX
+
+
 @dataclass(frozen=True)
 class Limit:
     """The numbers a key may hold: low..high, ends included unless marked open; never a
@@ -191,7 +196,7 @@ class Limit:
             return self.null
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.whole and not isinstance(v, int)):
             return False
-        if not math.isfinite(v) or (self.whole and v > WHOLE_MAX):
+        if not _holds(v):
             return False
         above = v > self.low if self.open_low else v >= self.low
         below = self.high is None or (v < self.high if self.open_high else v <= self.high)
@@ -204,7 +209,7 @@ class Limit:
         low = f"{'>' if self.open_low else '>='} {_number(self.low)}"
         if self.high is None:
             text = f"{kind} {low}"
-            if self.whole and isinstance(value, int) and not isinstance(value, bool) and value > WHOLE_MAX:
+            if isinstance(value, int) and not isinstance(value, bool) and value > WHOLE_MAX:
                 text += f" and at most {WHOLE_MAX} (2**63 - 1, the largest torch holds)"
         else:
             text = (f"{kind} in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
@@ -299,13 +304,15 @@ def _show(value) -> str:
 
 def _check_type(key: str, before, after, origin: str, limit=None) -> None:
     """Untyped YAML accepts anything: keep numbers numbers and flags flags (null too where
-    the key's limit allows it), and no number inf or nan, also where no limit is written
-    (a limit says so itself, with its range). `origin` says where `before` came from."""
+    the key's limit allows it), and no number the code cannot hold (inf, nan, past int64),
+    also where no limit is written (a limit says so itself, with its range). `origin` says where `before` came from."""
     if after is None and limit is not None and limit.allows(None):
         return
-    if limit is None and any(isinstance(v, float) and not math.isfinite(v)
-                             for v in (after if isinstance(after, (list, ListConfig)) else [after])):
-        raise UserError(f"{key}={_show(after)} is not allowed: {key} must be finite (no inf or nan)")
+    past = [v for v in (after if isinstance(after, (list, ListConfig)) else [after])
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not _holds(v)]
+    if limit is None and past:
+        need = "finite (no inf or nan)" if isinstance(past[0], float) else f"at most {WHOLE_MAX} (2**63 - 1) in size"
+        raise UserError(f"{key}={_show(after)} is not allowed: {key} must be {need}")
     def kind(v):
         if isinstance(v, bool):
             return "true/false"
