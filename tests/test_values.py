@@ -71,7 +71,7 @@ def test_no_numeric_limit_takes_inf_or_nan_and_no_whole_one_goes_past_int64():
     (["knn", RANDOM, "T=.inf"], "knn.temperature=inf is not allowed"),
     (["supervised", "resmlp_s12", "aug.mixup=-.inf"], "aug.mixup=-inf is not allowed"),
     (["dino", "resmlp_s12", "data.mean=[.inf,0.5,0.5]"], "data.mean must be finite"),  # a key with no limit
-    (["dino", "resmlp_s12", f"optim.lr={10**30}"], "at most 9223372036854775807"),  # no float holds it exactly
+    (["dino", "resmlp_s12", f"optim.lr={10**30}"], "at most 9223372036854775807"),  # a whole number past int64
 ])
 def test_inf_and_nan_are_refused_before_any_work(argv, says, tmp_path, capsys, monkeypatch):
     assert says in refused(argv, tmp_path, capsys, monkeypatch)
