@@ -117,7 +117,7 @@ def expand_aliases(args: list[str], aliases: dict) -> list[str]:
     for a in args:
         k, sep, v = a.partition("=")
         if sep and k in aliases:
-            if aliases[k] == "knn.k" and "," in v:
+            if aliases[k] == "knn.k" and "," in v and not v.startswith("["):
                 v = "[" + v + "]"
             a = f"{aliases[k]}={v}"
         out.append(a)

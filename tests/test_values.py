@@ -120,6 +120,7 @@ def test_compare_refuses_them_before_its_first_path_trains(tmp_path, capsys, mon
 @pytest.mark.parametrize("argv,says", [
     (["knn", RANDOM, "knn.k=[10,"], "bad value in 'knn.k=[10,': not a value"),
     (["knn", RANDOM, "k=10,,20"], "bad value in 'knn.k=[10,,20]': not a value"),
+    (["knn", RANDOM, "k=[10,"], "bad value in 'knn.k=[10,': not a value"),
     (["knn", RANDOM, "knn.k=10,,20"], "knn.k=10,,20 is not allowed"),
     (["knn", RANDOM, "out=runs/x_${nosuch}"], "Interpolation key 'nosuch' not found"),
     (["dino", "resmlp_s12", "seed=99999999999999999999999"], "seed must be a whole number in [0, 4294967295]"),
