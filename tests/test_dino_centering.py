@@ -177,6 +177,7 @@ def _koleo_step_on_rank(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_koleo_over_two_gloo_processes_is_per_process_as_in_dinov2(tmp_path):
     """DINOv2 (and lightly) take KoLeo's nearest neighbours among each process's own images,
     not the global batch: two processes on a batch give the DINO part of one process on it,
