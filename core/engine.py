@@ -320,9 +320,8 @@ class Run:
             self.logger.tb.add_image(tag, image, step, dataformats="HWC")
 
     def stop_nonfinite(self, value: float, where: str) -> None:
-        raise RunFailed(f"loss is {value} at {where}; stopped. The last good checkpoint "
-                        f"{self.ckpt_path} is intact. Lower the learning rate or (DINO) the teacher "
-                        "temperature, or use precision=fp32, then run again to resume")
+        raise RunFailed(f"loss is {value} at {where}; stopped. Lower the learning rate or (DINO) the teacher "
+                        f"temperature, or use precision=fp32; {what_is_kept(self.ckpt_path)}")
 
     def save(self, state: dict, name: str = CHECKPOINT_NAME) -> None:
         """Write a checkpoint atomically (rank 0); the latest one's predecessor is kept as
@@ -599,8 +598,14 @@ def out_of_memory_message(cfg) -> str:
     per_gpu = cfg.batch_size // max(1, world)
     return (f"CUDA out of memory with {per_gpu} images per GPU (batch_size={cfg.batch_size} over {world} "
             f"process{'es' if world > 1 else ''}): lower batch_size, add GPUs (NPROC_PER_NODE / NNODES), or set "
-            f"model.grad_checkpointing=true; the last checkpoint in {run_dir(cfg)} is intact, resume=auto "
-            "continues from it")
+            f"model.grad_checkpointing=true; {what_is_kept(run_dir(cfg) / CHECKPOINT_NAME)}")
+
+
+def what_is_kept(checkpoint: Path) -> str:
+    """The end of a failed run's message: the checkpoint it continues from, only if there is one."""
+    if checkpoint.exists():
+        return f"the last good checkpoint {checkpoint} is intact: the same command again resumes from it"
+    return "no checkpoint was written before it stopped: the same command again starts over"
 
 
 def device_name(device: torch.device) -> str:
