@@ -76,8 +76,8 @@ def train_classes(data_cfg) -> list[str]:
     return classes
 
 
-def scan(folder: str, classes: list[str]) -> list[tuple[str, int]]:
-    """[(path, label)] of every image under folder/<class>/, checking the folder rules."""
+def check_classes(folder: str, classes: list[str]) -> None:
+    """folder holds exactly the class folders of train/ (one listing, no image read)."""
     present = class_folders(folder)
     if present != classes:
         extra = sorted(set(present) - set(classes))
@@ -89,6 +89,11 @@ def scan(folder: str, classes: list[str]) -> list[tuple[str, int]]:
             parts.append(f"missing class folders {missing} that train/ has")
         raise UserError(f"{folder} does not have the classes of train/: {'; '.join(parts)}; "
                         f"make both hold the same class folders")
+
+
+def scan(folder: str, classes: list[str]) -> list[tuple[str, int]]:
+    """[(path, label)] of every image under folder/<class>/, checking the folder rules."""
+    check_classes(folder, classes)
     per_class = [images_under(os.path.join(folder, c)) for c in classes]
     if not any(per_class):
         raise UserError(f"no images under {folder} (looked for {' '.join(IMG_EXTENSIONS)} in its "

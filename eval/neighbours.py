@@ -1,6 +1,6 @@
 """What the k-NN evaluator sees: a few test images, each with its k nearest training images.
 
-The neighbours come from the evaluator itself (eval/knn.py: query_neighbours, i.e.
+The neighbours come from the evaluator itself (eval/knn_search.py: query_neighbours, i.e.
 knn_search's exact, canonically ordered search over L2-normalised features), on the
 features the caller already has: the `viz` command's (eval/features.py, the k-NN
 command's cache) or the DINO trainer's online k-NN. This module only picks the queries
@@ -52,7 +52,7 @@ def neighbours(train_features, train_labels, test_features, test_labels, queries
     'similarities' (cosine), 'labels' (the neighbours'), 'match' (label == query's),
     'match_rate'}, plain lists (viz.json's 'neighbours').
     """
-    from resmlp.eval.knn import query_neighbours
+    from resmlp.eval.knn_search import query_neighbours
     sims, idx = query_neighbours(train_features, test_features, queries, k, backend, device)
     ytr = torch.as_tensor(np.asarray(train_labels)).long().reshape(-1)
     yq = torch.as_tensor(np.asarray(test_labels)).long().reshape(-1)[torch.as_tensor(queries)]
