@@ -32,8 +32,10 @@ def check_temperature(temperature) -> float:
         t = float(temperature)
     except (TypeError, ValueError):
         raise UserError(f"T={temperature!r} is not a number; use e.g. T=0.07") from None
-    if not t > 0 or not math.isfinite(t) or not math.isfinite(1.0 / t):
+    if not t > 0 or not math.isfinite(t):
         raise UserError(f"T={temperature} must be a positive number (DINO uses 0.07)")
+    if not math.isfinite(1.0 / t):
+        raise UserError(f"T={temperature} is too small: sim / T overflows; use T=1e-300 or more (DINO uses 0.07)")
     return t
 
 
@@ -153,14 +155,14 @@ def format_low_shot(res: dict, whole: dict | None = None, n_train: int | None = 
              f"{'n':>5}  {'bank':>7}  {'k':>5}  {'top-1':>6} ± {'std':<5}  {'top-5':>6} ± {'std':<5}"]
     for n, r in res["results"].items():
         for k, c in r["k"].items():
-            k_shown = f"{c['k_used']}*" if c["k_used"] != int(k) else k
+            k_shown = f"{k}*" if c["k_used"] != int(k) else k
             lines.append(f"{n:>5}  {r['bank']:>7}  {k_shown:>5}  {low_shot.cell(c, 'top1')}  "
                          f"{low_shot.cell(c, 'top5')}")
     for k, c in (whole or {}).items():
         lines.append(f"{'all':>5}  {n_train if n_train is not None else '':>7}  {k:>5}  {c['top1']:6.2f}{'':10}"
                      f"{c['top5']:6.2f}")
     if any(c["k_used"] != int(k) for r in res["results"].values() for k, c in r["k"].items()):
-        lines.append("* k clipped to the bank")
+        lines.append("* k clipped to the bank (all of its images vote)")
     return "\n".join(lines + res["notes"])
 
 

@@ -391,7 +391,7 @@ def _rerank(search: _Search, q: torch.Tensor, cand: torch.Tensor | None, k: int)
             cols = cols.clamp_max(c - 1)
             idx = cols.expand(rows.stop - a, tc) if cand is None else cand[rows][:, cols]
             sims = _exact_similarities(q[rows], q_inv[rows], search.train, search.inv_norm, idx)
-            if pad.any():
+            if b + tc > c:   # the padded last tile
                 sims, idx = sims.masked_fill(pad, float("-inf")), idx.masked_fill(pad, n)
             if best_s is not None:
                 sims, idx = torch.cat([best_s, sims], 1), torch.cat([best_i, idx], 1)

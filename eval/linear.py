@@ -235,8 +235,9 @@ def linear_low_shot(train_features, train_labels, test_features, test_labels, nu
                     class_names=None, log: Callable[[str], None] | None = None) -> dict:
     """train_linear_on_features (its lr sweep, the best lr per pick) on `tries`
     class-balanced picks of n training images per class, for each n of n_per_class
-    (eval/low_shot.py). A pick smaller than a batch trains in one batch of the whole pick,
-    and the lr scaling (lr x batch / 256) follows the batch that runs.
+    (eval/low_shot.py). The lrs are the whole bank's, scaled by linear.batch_size / 256 as
+    there; a pick smaller than a batch trains in one batch of the whole pick (an epoch is
+    then one step, so a smaller lr for the smaller batch would leave the head near its init).
 
     Returns {'n_per_class', 'tries', 'seed', 'std', 'notes', 'results': {n: {'bank',
     'batch_size', 'top1', 'top1_std', 'top5', 'top5_std', 'tries': [{'top1', 'top5',
@@ -251,15 +252,15 @@ def linear_low_shot(train_features, train_labels, test_features, test_labels, nu
         if short:
             out["notes"].append(short)
         banks = low_shot.picks(ytr, n, int(tries), seed)
-        batch = min(batch_size, int(banks[0].numel()))
         runs = []
         for t, bank in enumerate(banks):
             r = train_linear_on_features(xtr[bank], ytr[bank], test_features, test_labels, num_classes, lrs, epochs,
-                                         batch, momentum, weight_decay, seed, device)
+                                         batch_size, momentum, weight_decay, seed, device)
             runs.append({"top1": r["top1"], "top5": r["top5"], "lr": r["lr"]})
             if log:
                 log(f"linear: n={n} pick {t + 1}/{len(banks)}: top-1 {r['top1']:.2f} at lr {r['lr']:g}")
-        out["results"][str(n)] = {"bank": int(banks[0].numel()), "batch_size": batch, **low_shot.summary(runs)}
+        out["results"][str(n)] = {"bank": int(banks[0].numel()), "batch_size": min(batch_size, int(banks[0].numel())),
+                                  **low_shot.summary(runs)}
     return out
 
 

@@ -22,9 +22,9 @@ from resmlp.core.config import as_list
 
 
 def sizes(n_per_class) -> list[int]:
-    """knn.n_per_class / linear.n_per_class as a sorted list (empty: null, the whole bank);
-    the values' range is the key's limit in the YAML."""
-    return sorted({int(v) for v in as_list(n_per_class)}) if n_per_class is not None else []
+    """knn.n_per_class / linear.n_per_class as a sorted list (empty: null, the whole bank,
+    which a null inside the list also means); the values' range is the key's limit in the YAML."""
+    return sorted({int(v) for v in as_list(n_per_class) if v is not None}) if n_per_class is not None else []
 
 
 def picks(labels, n: int, tries: int, seed: int) -> list[torch.Tensor]:

@@ -424,13 +424,10 @@ def test_the_gpu_search_at_scale_uses_block_maxima_and_stays_within_budget(monke
 def test_the_gpu_scale_check_runs_on_the_cpu(monkeypatch):
     """The CUDA test's body at a size the CPU takes (its own check of the test), one
     thread: the tiles are small, and a busy machine's thread handoffs would cost more."""
+    from resmlp.bench.timing import threads
     monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.bfloat16)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         gpu_scale_check(monkeypatch, "cpu", n=12_000, d=48, budget=2**20)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- few labels
@@ -476,7 +473,7 @@ def test_low_shot_knn_reports_mean_and_std_over_tries_and_clips_k_once():
     json.dumps(res)                                           # knn.json / results.json hold it as it is
     whole = knn_evaluate(xtr, ytr, xte, yte, 6, ks=[1, 5, 20])
     table = format_low_shot(res, whole, 300)
-    assert table.count("clipped to the bank's 6 images") == 1 and "±" in table and " 6*" in table
+    assert table.count("clipped to the bank's 6 images") == 1 and "±" in table and "      6    20*" in table
     assert table.splitlines()[-4].split()[:3] == ["all", "300", "20"]   # the whole bank, then the notes
     one = knn_low_shot(xtr, ytr, xte, yte, 6, ks=[5], temperature=0.07, n_per_class=[2], tries=1)
     assert one["results"]["2"]["k"]["5"]["top1_std"] is None
