@@ -25,6 +25,7 @@ import torch
 from resmlp.core.errors import UserError
 from resmlp.eval import low_shot
 from resmlp.eval.knn_search import BACKENDS, _as_tensor, backend_name, check_ks, knn_search
+from resmlp.eval.knn_search import faiss_gpu_works, query_neighbours, resolve_backend  # noqa: F401 - callers of eval.knn
 
 
 def check_temperature(temperature) -> float:
