@@ -160,6 +160,14 @@ def require_classes(data_cfg, what: str) -> int:
     return num_classes(data_cfg)
 
 
+def check_split_classes(data_cfg) -> None:
+    """The test split has the training split's classes: an image folder's val/ holds the
+    class folders of train/ (one listing each, no image read, so an evaluator refuses a
+    mismatch before it extracts anything); the other data sets' classes are fixed."""
+    if dataset_info(data_cfg).build is imagefolder.build:
+        imagefolder.check_classes(imagefolder.split_dir(data_cfg, "test"), imagefolder.train_classes(data_cfg))
+
+
 def class_names(data_cfg) -> list[str]:
     """Class names in label order (reads the folder listing or CIFAR-100's meta file)."""
     info = dataset_info(data_cfg)

@@ -66,9 +66,8 @@ def train_classes(data_cfg) -> list[str]:
     return classes
 
 
-def scan(folder: str, classes: list[str]) -> tuple[list[tuple[str, int]], Skipped]:
-    """([(path, label)] of every image under folder/<class>/, what was skipped), checking the
-    folder rules. Files lying directly in the split folder are skipped and counted too."""
+def check_classes(folder: str, classes: list[str]) -> None:
+    """folder holds exactly the class folders of train/ (one listing, no image read)."""
     present = class_folders(folder)
     if present != classes:
         extra = sorted(set(present) - set(classes))
@@ -80,6 +79,12 @@ def scan(folder: str, classes: list[str]) -> tuple[list[tuple[str, int]], Skippe
             parts.append(f"missing class folders {missing} that train/ has")
         raise UserError(f"{folder} does not have the classes of train/: {'; '.join(parts)}; "
                         f"make both hold the same class folders")
+
+
+def scan(folder: str, classes: list[str]) -> tuple[list[tuple[str, int]], Skipped]:
+    """([(path, label)] of every image under folder/<class>/, what was skipped), checking the
+    folder rules. Files lying directly in the split folder are skipped and counted too."""
+    check_classes(folder, classes)
     skipped = Skipped()
     for e in sorted(os.scandir(folder), key=lambda e: e.name):
         if e.name.startswith("."):

@@ -1,6 +1,6 @@
 """What the k-NN evaluator sees: a few test images, each with its k nearest training images.
 
-The neighbours come from the evaluator itself (eval/knn.py: query_neighbours, i.e.
+The neighbours come from the evaluator itself (eval/knn_search.py: query_neighbours, i.e.
 knn_search's exact, canonically ordered search over L2-normalised features), on the
 features the caller already has: the `viz` command's (eval/features.py, the k-NN
 command's cache) or the DINO trainer's online k-NN. This module only picks the queries
@@ -64,7 +64,7 @@ def neighbours(train_features, train_labels, test_features, test_labels, queries
     are None for images without labels. same_set: the queries index the bank itself
     (test_features is train_features), and each query is left out of its own neighbours.
     """
-    from resmlp.eval.knn import query_neighbours
+    from resmlp.eval.knn_search import query_neighbours
     n_bank = len(train_features)
     search = min(k + 1, n_bank) if same_set else k
     sims, idx = query_neighbours(train_features, test_features, queries, search, backend, device)

@@ -400,7 +400,7 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
     from omegaconf import OmegaConf
 
     import resmlp.data as rdata
-    from resmlp.eval.knn import backend_name
+    from resmlp.eval.knn_search import backend_name
     from resmlp.eval.neighbours import neighbours_figure, pick_queries, shown_images
     from resmlp.eval.patch_pca import draw_patch_pca, patch_pca
 
@@ -423,7 +423,7 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
         backend = backend_name(inputs.backend, inputs.device)
         out["neighbours"] = {"split": "train -> train, the query left out" if same_set else "test -> train",
                              "seed": inputs.seed,
-                             "search": f"eval.knn.query_neighbours, backend {backend}",
+                             "search": f"eval.knn_search.query_neighbours, backend {backend}",
                              "train_cache": tr.get("cache"), "test_cache": te.get("cache"), **nb}
     if "patch_pca" in figures:
         size = int(inputs.pca_size or data_cfg.img_size)

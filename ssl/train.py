@@ -37,19 +37,22 @@ LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teach
 
 
 def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None,
-               picture_step: int | None = None) -> dict:
+               picture_step: int | None = None, few_labels: bool = False) -> dict:
     """k-NN (knn.k, DINO's protocol) and optionally a linear probe of the teacher's features;
-    with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard.
+    with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard;
+    with few_labels (and knn.n_per_class) the k-NN on knn.tries banks of n images per class too.
     cache: the run's dict of eval images kept between calls (eval.knn.online_knn). The images
     are eval_data's: the training set, or the labeled set eval.data names."""
     from resmlp.eval.knn import online_knn
+    from resmlp.eval.low_shot import sizes
     temp = float(cfg.knn.temperature)
     picture = picture_step is not None and bool(cfg.dino.tensorboard_neighbours)
     data = eval_data(cfg)
+    few = few_labels and bool(sizes(cfg.knn.n_per_class))
     res = online_knn(teacher_backbone, data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
                      batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
-                     keep_features=linear or picture, cache=cache)
+                     keep_features=linear or picture or few, cache=cache)
     k = res["knn_k"]
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
@@ -58,6 +61,8 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
         run.log_image("knn_neighbours", online_grid(res, data, f"teacher, {tag}: k-NN top-1 "
                                                     f"{out['knn_top1']:.2f}", seed=int(cfg.seed),
                                                     backend=cfg.knn.backend), picture_step)
+    if few:
+        out["knn_low_shot"] = dist.broadcast_object(knn_few_labels(run, res, cfg, tag) if run.is_main else None)
     if linear:
         lin = {}
         if run.is_main:
@@ -69,6 +74,18 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
         lin = dist.broadcast_object(lin)
         out.update(linear_top1=lin["top1"], linear_top5=lin["top5"], linear_lr=lin["lr"])
     return out
+
+
+def knn_few_labels(run, res: dict, cfg, tag: str) -> dict:
+    """knn_report's few-label k-NN (rank 0) on the features online_knn kept: printed as a
+    table, returned for results.json."""
+    from resmlp.eval.knn import format_low_shot, knn_low_shot
+    (trf, trl), (tef, tel) = res["features"]["train"], res["features"]["test"]
+    few = knn_low_shot(trf, trl, tef, tel, res["num_classes"], as_list(cfg.knn.k), float(cfg.knn.temperature),
+                       cfg.knn.n_per_class, int(cfg.knn.tries), int(cfg.seed), cfg.knn.backend, device=run.device,
+                       class_names=getattr(res["datasets"]["train"], "classes", None))
+    run.print(f"[{tag}] " + format_low_shot(few, res["knn"], res["n_train"]))
+    return few
 
 
 def build_data(cfg, run, plan, lists: FileLists | None = None):
@@ -200,7 +217,7 @@ def train(cfg, hooks: DinoHooks | None = None):
         with cadence.evaluating(final=True):
             final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear,
                                cache=knn_images,
-                               picture_step=it if cfg.eval_every else None)
+                               picture_step=it if cfg.eval_every else None, few_labels=True)
         run.log({"epoch": E, **final}, step=it)
     results["final"], results["eval_data"] = final, judge.name if judge is not None else None
     for note in (no_labels, one_class):
