@@ -35,6 +35,7 @@ from pathlib import Path
 from resmlp.bench import campaign_state as S
 from resmlp.bench.campaign_stages import classify, launch, note_test_line, plan
 from resmlp.bench.report import ReportError, write_report
+from resmlp.bench.report import problem as report_problem
 from resmlp.core import preempt
 from resmlp.core.config import CONFIG_DIR, as_list, to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
@@ -62,6 +63,9 @@ class Campaign:
         self.by_name = {s.name: s for s in self.stages}
         self.report_dir = Path(str(c.report)).expanduser() if c.report else self.dir / "report"
         self.from_report = Path(str(c.from_report)).expanduser() if c.from_report else None
+        why = report_problem(self.report_dir, REPORT_FILES)
+        if why:
+            raise UserError(f"campaign.report: {why}")
         if self.from_report and self.from_report.resolve() == self.report_dir.resolve():
             raise UserError(f"campaign.from_report and campaign.report are both {self.report_dir}: carry the last "
                             "report in under another name (README, 'Measuring on a GPU')")

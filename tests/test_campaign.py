@@ -342,6 +342,11 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
         assert not fresh.exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert main(["campaign", *TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
+    assert "holds other things (notes.txt)" in capsys.readouterr().err and not fresh.exists()
     # none yet (the first call): a new campaign, and it says so
     c = Campaign(load_config("campaign", None, [*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))
     c.load()
