@@ -122,7 +122,8 @@ class Campaign:
             self.log.flush()
         if stage is not None:
             with self.guard:  # the outcomes are read by report() in the main thread
-                if MEASURED.search(line) or stage.name == "tests" and note_test_line(line, stage.outcomes):
+                noted = stage.name == "tests" and note_test_line(line, stage.outcomes)
+                if noted or MEASURED.search(line):
                     self.want_report = True
         if self.cut is not None and self.cut.search(line):
             self.cut = None
@@ -132,14 +133,19 @@ class Campaign:
     def call(self) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.dir / S.LOG, "a", buffering=1)
+        device = self.device()
+        earlier = sorted({c.get("device") for c in self.calls} - {None, device})
         record = {"call": len(self.calls) + 1, "started": _iso(self.started),
                   "setup_s": round(time.time() - self.started, 1), "call_s": float(self.cfg.campaign.call_s),
-                  "device": self.device, "ran": []}
+                  "device": device, "ran": []}
         self.calls.append(record)
         left = f"{self.deadline - time.time():.0f} s left of {self.cfg.campaign.call_s:g} (set-up took " \
                f"{record['setup_s']:.0f} s)"
-        self.say(f"call {record['call']} in {self.dir} (profile {self.cfg.campaign.profile}, {self.device}): "
+        self.say(f"call {record['call']} in {self.dir} (profile {self.cfg.campaign.profile}, {device}): "
                  + (f"{self.restored}. {left}" if self.restored else left))
+        if earlier:
+            self.say(f"warning: earlier calls ran on {', '.join(earlier)}: this call's figures come from another "
+                     "card (name the device tool's kind in every call)")
         code = PREEMPTED_EXIT
         try:
             self.report(code)
@@ -208,7 +214,8 @@ class Campaign:
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
         classify(stage, rc, stopped_by)
-        self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){': ' + stage.note if stage.note else ''}")
+        note = f": {stage.note}" if stage.note else ""
+        self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
         self.report(PREEMPTED_EXIT)
         return stage.ended() and time.time() < self.deadline
 
@@ -305,7 +312,6 @@ class Campaign:
                             **s.figures} for s in self.stages],
                 "calls": self.calls, "settings": to_dict(self.cfg.campaign), "state": state}
 
-    @property
     def device(self) -> str:
         if self.cfg.campaign.profile != "gpu":
             return "cpu"

@@ -85,7 +85,8 @@ def restore(folder: Path, summary: dict, campaign_dir: Path, call: int) -> str:
     state = summary["state"]
     campaign_dir.mkdir(parents=True, exist_ok=True)
     copy = [("campaign.log", campaign_dir / LOG), ("bench.json", campaign_dir / "bench" / "bench.json")]
-    copy += [(f"{n}_{f}", campaign_dir / RESTORED / f"{n}_{f}") for n in TRAINING for f in ("log.jsonl", "results.json")]
+    copy += [(f"{n}_{f}", campaign_dir / RESTORED / f"{n}_{f}")
+             for n in TRAINING for f in ("log.jsonl", "results.json")]
     for name, target in copy:
         if (folder / name).is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,8 @@ def restore(folder: Path, summary: dict, campaign_dir: Path, call: int) -> str:
     words = [f"ended: {', '.join(ended)}" if ended else "no stage had ended"]
     for name in TRAINING:
         s = stages.get(name)
+        if s is not None and s["status"] == "pending":
+            words.append(f"{name} has not started yet")
         if s is None or s["status"] not in ("running", "cut"):
             continue
         lost = figures.get(name, {}).get("epochs_trained", 0)
@@ -209,7 +212,8 @@ def describe(s: Stage) -> str:
         if "results" in f:
             t = f["results"].get("timing") or {}
             parts.append(f"final k-NN {f['results']['knn_top1']:.2f}; training {t.get('train_s', 0):.0f} s over "
-                         f"{len(t.get('starts', []))} start(s), uninterrupted about {t.get('uninterrupted_s', 0):.0f} s")
+                         f"{len(t.get('starts', []))} start(s), uninterrupted about "
+                         f"{t.get('uninterrupted_s', 0):.0f} s")
         if s.graphs:
             parts.append(s.graphs["why"])
     elif s.name in BENCH and f:

@@ -44,7 +44,8 @@ def problem(folder: Path, names) -> str | None:
     ours = (folder / MARKER).exists()
     strangers = [p.name for p in folder.iterdir() if p.name not in names and not (ours and p.is_file())]
     if strangers:
-        return f"the report folder {folder} holds other things ({', '.join(sorted(strangers)[:4])}); name an empty folder"
+        return (f"the report folder {folder} holds other things ({', '.join(sorted(strangers)[:4])}); "
+                "name an empty folder")
     return None
 
 

@@ -42,7 +42,7 @@ def call(out, report, carried=None, kill=None, cut=None):
     if cut:
         env[CUT_ENV] = cut
     argv = [sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
-            "campaign.call_s=150", *([f"campaign.from_report={carried}"] if carried else [])]
+            "campaign.call_s=200", *([f"campaign.from_report={carried}"] if carried else [])]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []
@@ -96,11 +96,13 @@ def facts(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in RATIOS}
 
 
-def report_obeys_the_limits(folder: Path) -> None:
+def report_obeys_the_limits(folder: Path, killed: bool = False) -> None:
+    """At most 8 flat files of under 16 MiB: 7, and a kill may leave one write's temp file."""
     entries = list(folder.iterdir())
-    assert len(entries) <= 7 and all(p.is_file() for p in entries), entries  # 7: room for a temp file
-    assert all(p.stat().st_size < 16 * 2**20 for p in entries)
-    assert {p.name for p in entries} <= set(REPORT_FILES)
+    temp = [p for p in entries if p.name.startswith(".") and p.name.endswith(".tmp")]
+    assert len(temp) <= killed and len(entries) - len(temp) <= 7, entries
+    assert all(p.is_file() and p.stat().st_size < 16 * 2**20 for p in entries)
+    assert {p.name for p in entries if p not in temp} <= set(REPORT_FILES)
 
 
 @pytest.mark.slow
@@ -117,10 +119,11 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert not alive_in_group(pgid), "a process of the killed call outlived it"
     s1, st1 = summary(reports[0])
     assert [st1[n]["status"] for n in ("tests", "bench_first", "preset")] == ["done", "done", "running"]
-    assert st1["tests"]["skipped"] == 4 and st1["tests"]["skip_reasons"] == ["needs a CUDA GPU"]
+    assert st1["tests"]["tests"] == st1["tests"]["skipped"] >= 7  # test_graphs.py's CUDA tests, skipped here
+    assert st1["tests"]["skip_reasons"] == ["needs a CUDA GPU"]
     bench1 = json.loads((reports[0] / "bench.json").read_text())["rows"]
     assert bench1 and all(r["run"] == 1 for r in bench1)
-    report_obeys_the_limits(reports[0])
+    report_obeys_the_limits(reports[0], killed=True)
 
     # call 2, a fresh machine: only the report comes in; the bench is cut by the call's end
     shutil.rmtree(out)
@@ -215,7 +218,8 @@ def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
                         "tests/test_x.py::test_c": {"outcome": "error"}}
     stage = CS.Stage("tests", ["-m", "pytest", "tests"], Path("."), 5, outcomes=outcomes)
     argv = CS.launch(stage, {}, {}, [], None)
-    assert argv[:3] == ["-m", "pytest", "tests"] and argv[3::2] == ["--deselect"] * 4 and set(argv[4::2]) == set(outcomes)
+    assert argv[:3] == ["-m", "pytest", "tests"] and argv[3::2] == ["--deselect"] * 4
+    assert set(argv[4::2]) == set(outcomes)
     CS.classify(stage, 1, None)
     assert stage.status == "done" and stage.note.startswith("2 test(s) failed")
     CS.classify(stage, -15, "call")
