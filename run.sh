@@ -82,7 +82,8 @@ ensure_fashion_mnist() {
 
 # `campaign` on a bare GPU machine (README "Measuring on a GPU"): the pure-Python wheels its
 # python3 lacks come carried in .whl/ and Fashion-MNIST in .fmnist/ (`bash run.sh
-# campaign-carry` makes both); the call's clock starts here, set-up included.
+# campaign-carry` makes both), the last call's report in .campaign_report/ (the caller copies
+# it there); the call's clock starts here, set-up included.
 campaign_setup() {
   export RESMLP_CAMPAIGN_STARTED="${RESMLP_CAMPAIGN_STARTED:-$(date +%s)}"
   local py="${RESMLP_PYTHON:-python3}" site="${TMPDIR:-/tmp}/resmlp-wheels"
@@ -106,7 +107,7 @@ case "$cmd" in
   campaign) campaign_setup ;;
   campaign-carry)
     # Here, online: the three wheels and the four Fashion-MNIST files a GPU machine gets by
-    # `carry: [".whl", ".fmnist"]` (both ignored by git; about 30 MB).
+    # `carry: [".whl", ".fmnist", ".campaign_report"]` (all ignored by git; about 30 MB).
     mkdir -p .whl .fmnist
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -421,7 +421,8 @@ class Cadence:
     tally in between: one schedule for every trainer.
 
     log lines every cfg.log_every iterations and at the last one; extra checkpoints every
-    cfg.ckpt_every iterations inside an epoch (and always at epoch ends); evaluations
+    cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
+    epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
     A read that finds a non-finite loss stops the run before anything is saved. A stop
     signal (core.preempt) ends the run after the current iteration with a checkpoint of
@@ -431,7 +432,9 @@ class Cadence:
     It also keeps the run's clock in results["timing"], saved with every checkpoint, so a
     run stopped and resumed many times still tells what one uninterrupted run takes:
     training seconds and images summed over every start (each start's first iteration,
-    where torch.compile compiles and the loader starts, left out), evaluation seconds
+    where torch.compile compiles and the loader starts, left out; the checkpoint writes
+    counted in, as a user waits for them, and also summed apart in checkpoint_s; the write
+    a resumed run continues from is saved before it is summed), evaluation seconds
     (the trainer wraps them in `evaluating()`), and per start its start-up (from `Run()`
     to here) and its first iteration. Make it right before the loop.
     """
@@ -442,6 +445,7 @@ class Cadence:
         self.run, self.ipe, self.total = run, iterations_per_epoch, cfg.epochs * iterations_per_epoch
         self.results, self.state = results, state
         self.log_every, self.ckpt_every, self.eval_every = int(cfg.log_every), int(cfg.ckpt_every), int(cfg.eval_every)
+        self.ckpt_epochs = int(cfg.get("ckpt_epochs", 1))
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
@@ -532,17 +536,22 @@ class Cadence:
         return t
 
     def checkpoint(self, it: int) -> None:
-        """Save, then stop here if a stop signal came (see stop_if_signalled)."""
-        self._save(it)
+        """Save (at an epoch's end only every ckpt_epochs epochs and at the last), then stop
+        here if a stop signal came, with a checkpoint of `it` (see stop_if_signalled)."""
+        if it % self.ipe or (it // self.ipe) % self.ckpt_epochs == 0 or it == self.total:
+            self._save(it)
         self.stop_if_signalled(it)
 
     def _save(self, it: int) -> None:
         """read() (never save weights a non-finite loss may have reached), then save the
         state_dict of every object in `state` (tensors as they are), the position and the RNGs."""
         self.read(it)
-        self._bank_time()
+        self._bank_time()  # the write's seconds fall into the next banked interval: training time
+        t0 = time.time()
         self.run.save({**{k: _state_of(v) for k, v in self.state.items()}, "epoch": it // self.ipe,
                        "iteration": it, "rng": rng_state(), "results": self.results})
+        self.timing["checkpoint_s"] = round(self.timing.get("checkpoint_s", 0.0) + time.time() - t0, 3)
+        self.timing["checkpoints"] = self.timing.get("checkpoints", 0) + 1
         self.saved_at = it
 
     def after_iteration(self, it: int) -> None:
