@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 from resmlp.core.cli import main
 from resmlp.core.config import (CONFIG_DIR, WHOLE_MAX, Limit, _load_yaml, _take_rules, available, load_config,
@@ -232,3 +232,10 @@ def test_a_node_waits_for_the_rendezvous_host_and_knows_its_own_addresses():
         assert wait_for("127.0.0.1", port, 30, say=lambda *a, **k: None)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("k, want", [("knn.k=[10,20]", [10, 20]), ("knn.k=10", 10)])
+def test_the_dino_trainer_takes_one_k_or_a_list(k, want):
+    """dino.yaml promises that a list reports each k: its default must not refuse one."""
+    got = load_config("dino", "resmlp_s12", ["demo=false", k]).knn.k
+    assert (list(got) if isinstance(got, ListConfig) else got) == want
