@@ -8,7 +8,7 @@
 # requirements.txt or pyproject.toml change.
 # Several GPUs or nodes: NPROC_PER_NODE=8 [NNODES=2 NODE_RANK=0 MASTER_ADDR=... MASTER_PORT=...]
 #   or, with no fixed master (torchrun's c10d rendezvous, the same command on every node):
-#   NPROC_PER_NODE=8 NNODES=2 RDZV_ENDPOINT=host:port [RDZV_ID=<job id>]
+#   NPROC_PER_NODE=8 NNODES=2 RDZV_ENDPOINT=host:port [RDZV_ID=<job id>] [RDZV_TIMEOUT=seconds, 300]
 # A SLURM job instead: bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 ... (README)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -82,7 +82,8 @@ ensure_fashion_mnist() {
 
 # `campaign` on a bare GPU machine (README "Measuring on a GPU"): the pure-Python wheels its
 # python3 lacks come carried in .whl/ and Fashion-MNIST in .fmnist/ (`bash run.sh
-# campaign-carry` makes both); the call's clock starts here, set-up included.
+# campaign-carry` makes both), the last call's report in .campaign_report/ (the caller copies
+# it there); the call's clock starts here, set-up included.
 campaign_setup() {
   export RESMLP_CAMPAIGN_STARTED="${RESMLP_CAMPAIGN_STARTED:-$(date +%s)}"
   local py="${RESMLP_PYTHON:-python3}" site="${TMPDIR:-/tmp}/resmlp-wheels"
@@ -106,7 +107,7 @@ case "$cmd" in
   campaign) campaign_setup ;;
   campaign-carry)
     # Here, online: the three wheels and the four Fashion-MNIST files a GPU machine gets by
-    # `carry: [".whl", ".fmnist"]` (both ignored by git; about 30 MB).
+    # `carry: [".whl", ".fmnist", ".campaign_report"]` (all ignored by git; about 30 MB).
     mkdir -p .whl .fmnist
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -131,22 +132,19 @@ case "$cmd" in dino|knn|linear|viz|supervised|distill|finetune|compare|data) ens
 
 NPROC="${NPROC_PER_NODE:-1}"; NNODES="${NNODES:-1}"
 case "$NPROC$NNODES" in *[!0-9]*) say "NPROC_PER_NODE and NNODES must be whole numbers (got '$NPROC', '$NNODES')"; exit 2 ;; esac
-# One GPU per process: more processes than GPUs would fail deep inside torchrun.
-if [ "$NPROC" -gt 1 ]; then
-  "$PY" - "$NPROC" "$@" <<'PYEOF' || exit 2
-import sys, torch
-want, args = int(sys.argv[1]), sys.argv[2:]
-have = torch.cuda.device_count()
-if have and "device=cpu" not in args and want > have:
-    sys.exit(f"run.sh: NPROC_PER_NODE={want} but this node has {have} GPU(s): start at most {have} "
-             "processes per node (one GPU each), or pass device=cpu")
-PYEOF
+if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
+  # One line here, not torchrun's usage text, a traceback or a rendezvous that never answers:
+  # GPUs per process, ports, hosts, and the rendezvous host waited for RDZV_TIMEOUT seconds,
+  # torchrun's time for every node to join too (resmlp/core/launch.py).
+  export RDZV_TIMEOUT="${RDZV_TIMEOUT:-300}"
+  "$PY" -m resmlp.core.launch "$@" || exit 2
 fi
 if { [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; } && [ -n "${RDZV_ENDPOINT:-}" ]; then
   # Ranks are handed out as the nodes arrive at host:port (one of them, or any reachable
   # host, serves the rendezvous); RDZV_ID keeps two jobs on one endpoint apart.
   exec "$PY" -m torch.distributed.run --nproc_per_node="$NPROC" --nnodes="$NNODES" \
-    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-resmlp}" -m resmlp.core.cli "$@"
+    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-resmlp}" \
+    --rdzv_conf=join_timeout="$RDZV_TIMEOUT" -m resmlp.core.cli "$@"
 fi
 if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
   exec "$PY" -m torch.distributed.run --nproc_per_node="$NPROC" --nnodes="$NNODES" \

@@ -416,12 +416,14 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
         report = {"meta": meta, "profile": profile, "settings": to_dict(p), "rows_requested": families,
                   "models": models, "wall_s": round(time.perf_counter() - t0, 1), "goals": GOALS,
                   "complete": summary is not None, "runs": ctx.run, "left": ctx.left, "families_done": done,
-                  "summary": summary or [], "rows": ctx.results}
+                  "summary": summary or [], "rows": all_rows()}
         tmp = out_dir / "bench.json.tmp"
         with open(tmp, "w") as f:
             json.dump(report, f, indent=2, default=str)
         tmp.replace(out_dir / "bench.json")
         return report
+    def all_rows():  # an earlier run's lines this one did not reach stay in bench.json
+        return ctx.results + list(ctx.previous.values())
     ctx.on_row = write
     for family in ["peak", *families]:
         if family in done:  # every line of it measured by an earlier run (bench.resume)
@@ -434,35 +436,60 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
             traceback.print_exc(file=sys.stderr)
             ctx.results.append({"row": family, "impl": "(setup)", "status": "error", "run": ctx.run,
                                 "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+            continue  # not done: a resumed run tries the lines it did not reach
         if ctx.left == left_before:
             done.append(family)
-    add_ratios(ctx.results)
-    summary = summarize(ctx.results, device)
+    rows = all_rows()
+    add_ratios(rows)
+    summary = summarize(rows, device)
     report = write(summary)
     print()
-    print(render(ctx.results, summary, meta, profile))
+    print(render(rows, summary, meta, profile))
     print(f"\nwrote {out_dir / 'bench.json'} ({report['wall_s']:.0f} s)", flush=True)
     return report
 
 
+# Profile keys that only choose which lines run, not how one is measured (each line's key
+# names its model, strategy, impl, batch, backend): a resumed run may choose others.
+SELECTION = ("models", "strategies", "compile", "graphs", "reference", "largest_batch", "knn.backends",
+             "inference.models")
+
+
+def _measuring(settings: dict) -> str:
+    """The profile's settings without its SELECTION keys, as comparable text."""
+    s = json.loads(json.dumps(settings, default=str))
+    for key in SELECTION:
+        *parents, last = key.split(".")
+        d = s
+        for k in parents:
+            d = d.get(k) if isinstance(d, dict) else None
+        if isinstance(d, dict):
+            d.pop(last, None)
+    return json.dumps(s, sort_keys=True)
+
+
 def resume(cfg, ctx: Context, path: Path, profile: str, families: list, models: list) -> list:
-    """bench.resume=true: the lines an earlier run with the same settings measured are kept
-    (ctx.previous; whole families at once) and only the rest are measured. Returns the
-    families already done."""
+    """bench.resume=true: the lines an earlier run measured with the same profile and
+    measuring settings are kept (ctx.previous, by line key; whole families at once when it
+    chose the same lines) and only the rest are measured; lines this run does not choose
+    stay in bench.json. Returns the families already done."""
     if not cfg.bench.resume or not path.exists():
         return []
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"bench.resume=true cannot read {path} ({e}); delete it or pass bench.resume=false") from None
-    now = {"profile": profile, "settings": to_dict(ctx.p), "rows_requested": families, "models": models}
-    changed = [k for k, v in now.items() if json.dumps(old.get(k), sort_keys=True, default=str)
-               != json.dumps(v, sort_keys=True, default=str)]
+    changed = [k for k, same in (("profile", old.get("profile") == profile),
+                                 ("settings", _measuring(old.get("settings") or {}) == _measuring(to_dict(ctx.p))))
+               if not same]
     if changed:
         raise UserError(f"{path} was measured with other {', '.join(changed)}: pass the same settings to resume "
                         "it, or bench.resume=false (or out=<another dir>) to start again")
     ctx.run = int(old.get("runs", 1)) + 1
-    done = [f for f in old.get("families_done", []) if f in ("peak", *families)]
+    same_lines = (old.get("rows_requested") == families and old.get("models") == models
+                  and json.dumps(old.get("settings"), sort_keys=True, default=str)
+                  == json.dumps(to_dict(ctx.p), sort_keys=True, default=str))
+    done = [f for f in old.get("families_done", []) if f in ("peak", *families)] if same_lines else []
     for row in old.get("rows", []):
         if row["row"] in done:
             ctx.results.append(row)

@@ -36,6 +36,19 @@ def trim(data: bytes, max_bytes: int) -> bytes:
     return head + f"[... {gone} bytes left out here: over the report's size cap ...]\n".encode() + tail
 
 
+def problem(folder: Path, names) -> str | None:
+    """Why `folder` may not take a report of the files `names` (it holds what an earlier
+    report did not write), or None."""
+    if not folder.is_dir():
+        return None
+    ours = (folder / MARKER).exists()
+    strangers = [p.name for p in folder.iterdir() if p.name not in names and not (ours and p.is_file())]
+    if strangers:
+        return (f"the report folder {folder} holds other things ({', '.join(sorted(strangers)[:4])}); "
+                "name an empty folder")
+    return None
+
+
 def write_report(folder: Path, files: dict, max_files: int = MAX_FILES, max_bytes: int = MAX_BYTES) -> list[Path]:
     """Write `files` ({name: a Path to copy, or bytes / str / a JSON-able dict}) flat into
     `folder`: sources that do not exist are left out, files of an earlier report that
@@ -47,12 +60,10 @@ def write_report(folder: Path, files: dict, max_files: int = MAX_FILES, max_byte
     if len(files) > max_files:
         raise ReportError(f"a report holds at most {max_files} files, not {len(files)}: {sorted(files)}")
     folder.mkdir(parents=True, exist_ok=True)
+    why = problem(folder, files)
+    if why:
+        raise ReportError(why)
     present = [p for p in folder.iterdir()]
-    ours = (folder / MARKER).exists()
-    strangers = [p.name for p in present if p.name not in files and not (ours and p.is_file())]
-    if strangers:
-        raise ReportError(f"the report folder {folder} holds other things ({', '.join(sorted(strangers)[:4])}); "
-                          "name an empty folder")
     for p in present:
         if p.is_file() and p.name not in files:
             p.unlink()

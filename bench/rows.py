@@ -567,7 +567,7 @@ def _knn_one(ctx, backend: str, data) -> dict:
         except ImportError:
             raise Skip("faiss is not installed") from None
         if backend == "faiss-gpu":
-            from resmlp.eval.knn import faiss_gpu_works
+            from resmlp.eval.knn_search import faiss_gpu_works
             if not on_gpu:
                 raise Skip("no GPU")
             if not faiss_gpu_works(dev.index or 0):

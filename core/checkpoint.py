@@ -148,6 +148,9 @@ def resolve_checkpoint_path(spec: str | os.PathLike) -> Path:
     if not path.exists():
         raise UserError(f"checkpoint {spec} does not exist; pass a checkpoint file, a run directory "
                         "or timm:<model name>")
+    if path.is_dir():  # a run dir whose checkpoint.pth is itself a folder
+        raise UserError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file or a run directory "
+                        f"whose {CHECKPOINT_NAME} is one")
     return path
 
 

@@ -9,7 +9,7 @@ import errno
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from resmlp.core.checkpoint import check_writable, saved_config
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
@@ -37,6 +37,8 @@ NO_KNN = {"knn": "it runs no k-NN"}
 NO_FEATURES = {**NO_KNN, "features": "it extracts no frozen features"}
 NO_FEATURE_FILES = {f"features.{k}": "it writes no feature cache and takes the network from training"
                     for k in ("key", "cache", "cache_dir", "pretrained")}
+# What no command reads when it runs here (launcher=local): the job it would submit.
+RUNS_HERE = {"slurm": "launcher=local runs it here, not as a SLURM job: add launcher=slurm to submit one"}
 
 COMMANDS = {
     "dino": Command("resmlp.ssl.train:run", "DINO self-supervised pretraining", "model", writes=RUN_DIR,
@@ -115,7 +117,7 @@ def expand_aliases(args: list[str], aliases: dict) -> list[str]:
     for a in args:
         k, sep, v = a.partition("=")
         if sep and k in aliases:
-            if aliases[k] == "knn.k" and "," in v:
+            if aliases[k] == "knn.k" and "," in v and not v.startswith("["):
                 v = "[" + v + "]"
             a = f"{aliases[k]}={v}"
         out.append(a)
@@ -160,7 +162,10 @@ def build(argv: list[str]):
         extra = [f"checkpoint={positional}"]
     elif positional is not None:
         raise UserError(f"`{name}` takes only key=value arguments, not {positional!r}")
-    return cmd, load_config(name, model, [*extra, *rest], base=base)
+    cfg = load_config(name, model, [*extra, *rest], base=base)
+    if cfg.launcher == "local":
+        check_read(name, replace(cmd, ignores=RUNS_HERE), rest)
+    return cmd, cfg
 
 
 def check_writes(name: str, cmd: Command, cfg) -> None:

@@ -18,16 +18,21 @@ A method file's sections add to those of the method it extends and of defaults.y
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from resmlp.core.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# What of a run's data section describes its network's input: carried over to an evaluation
+# of the run on another data set (data=<name> on the command line).
+TRAINED_ON = ("img_size", "mean", "std")
 
 
 def available(group: str) -> list[str]:
@@ -116,11 +121,16 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
             cfg = OmegaConf.merge(cfg, _load_yaml(path))
     if base is not None:
         saved = OmegaConf.create(base)
-        # Only what describes the network and its data carries over from a saved run.
+        # Only what describes the network and its data carries over from a saved run; on
+        # another data set than the run's, only what the network was trained on (its image
+        # size and normalization), not where the run's files were or how they were read.
         for section in ("model", "data"):
             if section in saved:
+                part = saved[section]
+                if section == "data" and part.get("name") != data:
+                    part = OmegaConf.create({k: part[k] for k in TRAINED_ON if k in part})
                 OmegaConf.set_struct(cfg, True)
-                cfg[section] = OmegaConf.merge(cfg[section], _known(saved[section], cfg[section]))
+                cfg[section] = OmegaConf.merge(cfg[section], _known(part, cfg[section]))
                 OmegaConf.set_struct(cfg, False)
     cfg.command = command
     if model:
@@ -140,12 +150,20 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
         before = OmegaConf.select(cfg, key, default=None)
         try:
             cfg.merge_with_dotlist([o])
+        except yaml.YAMLError as e:  # the value is read as YAML: a list typo such as [10, or [10,,20]
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise UserError(f"bad value in {o!r}: not a value ({problem}); a list is written "
+                            f"{key}=[10,20]") from None
         except OmegaConfBaseException as e:
             if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
                 raise UserError(f"unknown config key {key!r}{_valid_keys_hint(cfg, key)}") from None
             raise UserError(f"bad value in {o!r}: {str(e).splitlines()[0]}") from None
+        try:
+            after = OmegaConf.select(cfg, key)  # resolves an interpolation the value holds
+        except OmegaConfBaseException as e:  # e.g. ${nosuch}
+            raise UserError(f"bad value in {o!r}: {str(e).splitlines()[0]}") from None
         saved = base is not None and key.split(".")[0] in ("model", "data")  # carried over from the run
-        _check_type(key, before, OmegaConf.select(cfg, key),
+        _check_type(key, before, after,
                     origin.get(key, f"the checkpoint's config has {before}" if saved else f"the default is {before}"),
                     limits.get(key))
         origin[key] = f"the CPU demo's demo_overrides set {o}" if i < from_demo else \
@@ -159,9 +177,21 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     return cfg
 
 
+# The largest whole number torch and numpy hold (int64): no count may go beyond it, whatever
+# its limit says. A key whose code holds less (a seed, a count of processes or of arrays'
+# entries) says so with its own `max`.
+WHOLE_MAX = 2**63 - 1
+
+
+def _holds(v) -> bool:
+    """A number the code can hold: a finite one, and a whole one within int64."""
+    return math.isfinite(v) if isinstance(v, float) else -WHOLE_MAX - 1 <= v <= WHOLE_MAX
+
+
 @dataclass(frozen=True)
 class Limit:
-    """The numbers a key may hold: low..high, ends included unless marked open."""
+    """The numbers a key may hold: low..high, ends included unless marked open; never a
+    non-finite one (inf, nan), and a whole number never above WHOLE_MAX."""
     low: float
     high: float | None = None
     whole: bool = False
@@ -174,17 +204,24 @@ class Limit:
             return self.null
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (self.whole and not isinstance(v, int)):
             return False
+        if not _holds(v):
+            return False
         above = v > self.low if self.open_low else v >= self.low
         below = self.high is None or (v < self.high if self.open_high else v <= self.high)
         return above and below
 
-    def describe(self) -> str:
-        kind = "a whole number" if self.whole else "a number"
-        low = f"{'>' if self.open_low else '>='} {self.low:g}"
+    def describe(self, value=None) -> str:
+        """What the key may hold; the bound the code can hold is named when `value` is past it."""
+        infinite = isinstance(value, float) and not math.isfinite(value)
+        kind = "a whole number" if self.whole else "a finite number" if infinite else "a number"
+        low = f"{'>' if self.open_low else '>='} {_number(self.low)}"
         if self.high is None:
             text = f"{kind} {low}"
+            if isinstance(value, int) and not isinstance(value, bool) and value > WHOLE_MAX:
+                text += f" and at most {WHOLE_MAX} (2**63 - 1, the largest torch holds)"
         else:
-            text = f"{kind} in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+            text = (f"{kind} in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
+                    f"{')' if self.open_high else ']'}")
         return text + (" (or null)" if self.null else "")
 
     @classmethod
@@ -198,13 +235,21 @@ class Limit:
             return Choice(tuple(spec))
         fields = dict(spec) if isinstance(spec, (dict, DictConfig)) else None
         if fields is None or not fields.keys() <= {"min", "above", "max", "below", "whole", "nullable"} \
-                or ("min" in fields) == ("above" in fields) or ("max" in fields and "below" in fields):
+                or ("min" in fields) == ("above" in fields) or ("max" in fields and "below" in fields) \
+                or not all(isinstance(fields.get(k, 0), (int, float)) and math.isfinite(fields.get(k, 0))
+                           for k in ("min", "above", "max", "below")):
             raise UserError(f"{where}: {spec!r} is not a limit; use one of {', '.join(LIMIT_KINDS)}, fields "
                             "{min | above: n, max | below: n, whole: true, nullable: true} or a list of words")
         high = fields.get("max", fields.get("below"))
-        return cls(float(fields.get("min", fields.get("above"))), None if high is None else float(high),
+        # Whole bounds stay ints: a float cannot tell 2**63 - 1 from 2**63.
+        return cls(fields.get("min", fields.get("above")), high,
                    whole=bool(fields.get("whole", False)), open_low="above" in fields, open_high="below" in fields,
                    null=bool(fields.get("nullable", False)))
+
+
+def _number(x) -> str:
+    """A bound as written: whole numbers in full (4294967295, not 4.29497e+09)."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -215,7 +260,7 @@ class Choice:
     def allows(self, v) -> bool:
         return any(v == w and type(v) is type(w) or v is w for w in self.words)
 
-    def describe(self) -> str:
+    def describe(self, value=None) -> str:
         return "one of " + ", ".join("null" if w is None else str(w).lower() if isinstance(w, bool) else str(w)
                                      for w in self.words)
 
@@ -224,6 +269,11 @@ class Choice:
 LIMIT_KINDS = {
     "count": Limit(0, whole=True),                # 0, 1, 2, ...
     "some": Limit(1, whole=True),                 # 1, 2, ...
+    # a number of epochs: the schedules hold a value per iteration, made before the first step
+    # (far beyond any published schedule; past it they would not fit in memory)
+    "epochs": Limit(1, 10_000, whole=True),
+    # what seeds numpy's generator too (it takes 32 bits; torch's overflowed at 2**63 - 1)
+    "seed": Limit(0, 2**32 - 1, whole=True),
     "size": Limit(1, whole=True, null=True),      # 1, 2, ... or null (all / automatic)
     "positive": Limit(0, open_low=True),
     "nonnegative": Limit(0),
@@ -253,7 +303,7 @@ def check_values(cfg: DictConfig, limits: dict) -> None:
         for v in (list(value) if many else [value]):
             if not limit.allows(v):
                 raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
-                                f"{limit.describe()}")
+                                f"{limit.describe(v)}")
 
 
 def _show(value) -> str:
@@ -262,9 +312,15 @@ def _show(value) -> str:
 
 def _check_type(key: str, before, after, origin: str, limit=None) -> None:
     """Untyped YAML accepts anything: keep numbers numbers and flags flags (null too where
-    the key's limit allows it). `origin` says where `before` came from."""
+    the key's limit allows it), and no number the code cannot hold (inf, nan, past int64),
+    also where no limit is written (a limit says so itself, with its range). `origin` says where `before` came from."""
     if after is None and limit is not None and limit.allows(None):
         return
+    past = [v for v in (after if isinstance(after, (list, ListConfig)) else [after])
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not _holds(v)]
+    if limit is None and past:
+        need = "finite (no inf or nan)" if isinstance(past[0], float) else f"at most {WHOLE_MAX} (2**63 - 1) in size"
+        raise UserError(f"{key}={_show(after)} is not allowed: {key} must be {need}")
     def kind(v):
         if isinstance(v, bool):
             return "true/false"

@@ -320,9 +320,8 @@ class Run:
             self.logger.tb.add_image(tag, image, step, dataformats="HWC")
 
     def stop_nonfinite(self, value: float, where: str) -> None:
-        raise RunFailed(f"loss is {value} at {where}; stopped. The last good checkpoint "
-                        f"{self.ckpt_path} is intact. Lower the learning rate or (DINO) the teacher "
-                        "temperature, or use precision=fp32, then run again to resume")
+        raise RunFailed(f"loss is {value} at {where}; stopped. Lower the learning rate or (DINO) the teacher "
+                        f"temperature, or use precision=fp32; {what_is_kept(self.ckpt_path)}")
 
     def save(self, state: dict, name: str = CHECKPOINT_NAME) -> None:
         """Write a checkpoint atomically (rank 0); the latest one's predecessor is kept as
@@ -422,7 +421,8 @@ class Cadence:
     tally in between: one schedule for every trainer.
 
     log lines every cfg.log_every iterations and at the last one; extra checkpoints every
-    cfg.ckpt_every iterations inside an epoch (and always at epoch ends); evaluations
+    cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
+    epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
     A read that finds a non-finite loss stops the run before anything is saved. A stop
     signal (core.preempt) ends the run after the current iteration with a checkpoint of
@@ -432,7 +432,9 @@ class Cadence:
     It also keeps the run's clock in results["timing"], saved with every checkpoint, so a
     run stopped and resumed many times still tells what one uninterrupted run takes:
     training seconds and images summed over every start (each start's first iteration,
-    where torch.compile compiles and the loader starts, left out), evaluation seconds
+    where torch.compile compiles and the loader starts, left out; the checkpoint writes
+    counted in, as a user waits for them, and also summed apart in checkpoint_s; the write
+    a resumed run continues from is saved before it is summed), evaluation seconds
     (the trainer wraps them in `evaluating()`), and per start its start-up (from `Run()`
     to here) and its first iteration. Make it right before the loop.
     """
@@ -443,6 +445,7 @@ class Cadence:
         self.run, self.ipe, self.total = run, iterations_per_epoch, cfg.epochs * iterations_per_epoch
         self.results, self.state = results, state
         self.log_every, self.ckpt_every, self.eval_every = int(cfg.log_every), int(cfg.ckpt_every), int(cfg.eval_every)
+        self.ckpt_epochs = int(cfg.get("ckpt_epochs", 1))
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
@@ -533,17 +536,22 @@ class Cadence:
         return t
 
     def checkpoint(self, it: int) -> None:
-        """Save, then stop here if a stop signal came (see stop_if_signalled)."""
-        self._save(it)
+        """Save (at an epoch's end only every ckpt_epochs epochs and at the last), then stop
+        here if a stop signal came, with a checkpoint of `it` (see stop_if_signalled)."""
+        if it % self.ipe or (it // self.ipe) % self.ckpt_epochs == 0 or it == self.total:
+            self._save(it)
         self.stop_if_signalled(it)
 
     def _save(self, it: int) -> None:
         """read() (never save weights a non-finite loss may have reached), then save the
         state_dict of every object in `state` (tensors as they are), the position and the RNGs."""
         self.read(it)
-        self._bank_time()
+        self._bank_time()  # the write's seconds fall into the next banked interval: training time
+        t0 = time.time()
         self.run.save({**{k: _state_of(v) for k, v in self.state.items()}, "epoch": it // self.ipe,
                        "iteration": it, "rng": rng_state(), "results": self.results})
+        self.timing["checkpoint_s"] = round(self.timing.get("checkpoint_s", 0.0) + time.time() - t0, 3)
+        self.timing["checkpoints"] = self.timing.get("checkpoints", 0) + 1
         self.saved_at = it
 
     def after_iteration(self, it: int) -> None:
@@ -599,8 +607,14 @@ def out_of_memory_message(cfg) -> str:
     per_gpu = cfg.batch_size // max(1, world)
     return (f"CUDA out of memory with {per_gpu} images per GPU (batch_size={cfg.batch_size} over {world} "
             f"process{'es' if world > 1 else ''}): lower batch_size, add GPUs (NPROC_PER_NODE / NNODES), or set "
-            f"model.grad_checkpointing=true; the last checkpoint in {run_dir(cfg)} is intact, resume=auto "
-            "continues from it")
+            f"model.grad_checkpointing=true; {what_is_kept(run_dir(cfg) / CHECKPOINT_NAME)}")
+
+
+def what_is_kept(checkpoint: Path) -> str:
+    """The end of a failed run's message: the checkpoint it continues from, only if there is one."""
+    if checkpoint.exists():
+        return f"the last good checkpoint {checkpoint} is intact: the same command again resumes from it"
+    return "no checkpoint was written before it stopped: the same command again starts over"
 
 
 def device_name(device: torch.device) -> str:

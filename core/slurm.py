@@ -63,7 +63,9 @@ def executor_parameters(cfg) -> dict:
         "cpus_per_task": int(s.cpus_per_task or cfg.num_workers + 1), "timeout_min": minutes(s.time),
         "mem_gb": s.mem_gb, "slurm_partition": s.partition, "slurm_account": s.account, "slurm_qos": s.qos,
         "slurm_constraint": s.constraint, "slurm_signal_delay_s": int(s.signal_delay_s),
-        "slurm_setup": list(s.setup) or None,
+        # the shell lines the job runs first: sbatch's script on SLURM, the shell that starts
+        # the job on this machine under submitit's local executor
+        "slurm_setup": list(s.setup) or None, "local_setup": list(s.setup) or None,
         # requeue-able whatever the cluster's default: a preempted job comes back
         "slurm_additional_parameters": {"requeue": True},
     }
@@ -87,11 +89,14 @@ def submit(cfg, argv: list[str], main):
         raise UserError(problem)
     folder = Path(cfg.slurm.folder).expanduser().resolve() if cfg.slurm.folder else directory / "slurm"
     timeouts = int(cfg.slurm.max_timeouts)
+    # SLURM's files go in a folder per job id; the local executor would make a folder named
+    # "%j" literally (it fills the id into file names only), so its files sit in `folder`.
+    per_job = folder / "%j" if cfg.slurm.cluster == "slurm" else folder
     try:
-        executor = submitit.AutoExecutor(folder=folder / "%j", cluster=cfg.slurm.cluster,
+        executor = submitit.AutoExecutor(folder=per_job, cluster=cfg.slurm.cluster,
                                          slurm_max_num_timeout=timeouts, local_max_num_timeout=timeouts)
         executor.update_parameters(**executor_parameters(cfg))
-        job = executor.submit(Job([*argv, "launcher=local", f"out={directory}"], main))
+        job = executor.submit(Job([*job_argv(argv), "launcher=local", f"out={directory}"], main))
     except (RuntimeError, ValueError, OSError) as e:  # submitit's submission errors are RuntimeErrors
         raise UserError(f"could not submit the job: {str(e).strip().splitlines()[0]}") from None
     s = cfg.slurm
@@ -99,6 +104,12 @@ def submit(cfg, argv: list[str], main):
           f"run dir {directory}\nlogs: {job.paths.stdout} and {job.paths.stderr} (rank 0; the other ranks' "
           f"beside them)\na preempted or timed-out job is requeued and resumes from the run dir", flush=True)
     return job
+
+
+def job_argv(argv: list[str]) -> list[str]:
+    """The command line each process of the job runs: the submitted one without the keys
+    that only the submission reads (launcher, slurm.*), which launcher=local refuses."""
+    return [a for a in argv if "=" not in a or a.split("=", 1)[0].lstrip("+").split(".")[0] not in ("launcher", "slurm")]
 
 
 class Job:

@@ -5,6 +5,8 @@ Datasets yield (transform(RGB PIL image), int label) and have .classes, .targets
 
 - datasets.py       build_dataset, train_split_for_ssl, num_classes, class_names
 - fashion_mnist.py, imagefolder.py, torchvision_sets.py   one per source of files
+- folder.py         finding image files (every image folder's scan); data=folder, images
+                    without labels, scanned once per run dir (FileLists)
 - subset.py         data.subset: deterministic class-balanced subsets
 - transforms.py     eval and linear-probe transforms, mean/std
 - multicrop.py      DINO multi-crop per image (the dino.augment=workers path)

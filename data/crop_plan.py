@@ -83,6 +83,9 @@ def crop_plan(cfg) -> CropPlan:
         local = g
     elif d.local_crops == "none":
         n_local, global_scale = 0, tuple(d.none_global_crops_scale)
+    if n_local and local > g:
+        raise UserError(f"data.local_size={local} is larger than data.img_size={g}: local crops are the small "
+                        f"views; set data.local_size to at most {g} (or dino.n_local_crops=0)")
     if n_local and local % cfg.model.patch_size:
         raise UserError(f"data.local_size={local} is not a multiple of model.patch_size={cfg.model.patch_size}")
     grid_adapt = d.local_crops if d.local_crops in ("interpolate", "subgrid") else "none"

@@ -13,21 +13,28 @@ decode.py), and has `.classes` (list of str), `.targets` (list or 1-D int array)
 | cifar10       | train, test                  | torchvision: data.root or cache           |
 | cifar100      | train, test                  | torchvision: data.root or cache           |
 | stl10         | train, test, unlabeled       | torchvision: data.root or cache           |
+| folder        | train (unlabeled)            | any image under data.root, or data.files  |
 
 `data.subset=N` replaces the training splits (train, and STL-10's unlabeled) by a
-deterministic, class-balanced subset of N images (subset.py); the test split stays whole.
+deterministic, class-balanced subset of N images (subset.py; a seeded pick where there are
+no labels); the test split stays whole.
+
+`folder` has no labels: DINO trains on it, and its k-NN and linear probe read the labeled
+set `eval_data` names (eval.data, eval.root); the commands that report an accuracy refuse
+it (`require_classes`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from omegaconf import OmegaConf
 
 from resmlp.core.errors import UserError
-from resmlp.data import fashion_mnist, imagefolder, torchvision_sets
+from resmlp.data import fashion_mnist, folder, imagefolder, torchvision_sets
 from resmlp.data.decode import reads_files
-from resmlp.data.imagefolder import serve_encoded
+from resmlp.data.folder import FileLists, serve_encoded
 from resmlp.data.subset import make_subset
 
 
@@ -37,6 +44,7 @@ class DatasetInfo:
     splits: tuple             # split names it has
     num_classes: int | None   # known without touching files (None: count class folders)
     classes: tuple | None     # known names (None: read them)
+    labeled: bool = True      # False: images without labels (DINO only)
 
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
@@ -50,7 +58,9 @@ DATASETS: dict[str, DatasetInfo] = {
     "cifar10": DatasetInfo(torchvision_sets.build, ("train", "test"), 10, CIFAR10_CLASSES),
     "cifar100": DatasetInfo(torchvision_sets.build, ("train", "test"), 100, None),
     "stl10": DatasetInfo(torchvision_sets.build, ("train", "test", "unlabeled"), 10, STL10_CLASSES),
+    "folder": DatasetInfo(folder.build, ("train",), 0, (), labeled=False),
 }
+LABELED = tuple(name for name, info in DATASETS.items() if info.labeled)
 
 SUBSET_SPLITS = ("train", "unlabeled")
 
@@ -72,16 +82,20 @@ def train_split_for_ssl(data_cfg) -> str:
     return "unlabeled" if "unlabeled" in dataset_splits(data_cfg) else "train"
 
 
-def build_dataset(data_cfg, split: str, transform=None):
+def build_dataset(data_cfg, split: str, transform=None, lists: FileLists | None = None):
     """The `split` ('train' | 'test' | 'unlabeled' for stl10) of `data.name`, subset applied.
 
     `transform` is applied to the RGB PIL image, or, for a transform that reads files
-    (resmlp.data.decode), to the file's bytes. A missing or broken dataset is a UserError.
+    (resmlp.data.decode), to the file's bytes. `lists`: a run's FileLists, which scans a
+    folder (data=folder) once per run dir. A missing or broken dataset is a UserError.
     """
     info = dataset_info(data_cfg)
-    if split not in info.splits:
+    if info.build is folder.build:
+        dataset = folder.build(data_cfg, split, transform, lists)
+    elif split not in info.splits:
         raise UserError(f"data.name={data_cfg.name} has splits {', '.join(info.splits)}, not {split!r}")
-    dataset = info.build(data_cfg, split, transform)
+    else:
+        dataset = info.build(data_cfg, split, transform)
     if reads_files(transform):
         serve_encoded(dataset)
     n = data_cfg.get("subset", None)
@@ -90,15 +104,15 @@ def build_dataset(data_cfg, split: str, transform=None):
     return dataset
 
 
-def fit_demo_subset(cfg) -> str | None:
+def fit_demo_subset(cfg, lists: FileLists | None = None) -> str | None:
     """The CPU demo (cfg.demo) takes data.subset training images, or all of them where the
     training split holds fewer: then data.subset becomes null (the config a run saves says
     what it used) and the note that says so is returned. Call it before the run dir's config
-    is compared or saved."""
+    is compared or saved. `lists`: the run's FileLists (data=folder: no second scan)."""
     n = cfg.data.get("subset", None)
     if not cfg.get("demo", False) or n is None:
         return None
-    have = len(build_dataset(OmegaConf.merge(cfg.data, {"subset": None}), "train"))
+    have = len(build_dataset(OmegaConf.merge(cfg.data, {"subset": None}), "train", lists=lists))
     if have >= int(n):
         return None
     cfg.data.subset = None
@@ -115,8 +129,9 @@ def num_classes(data_cfg) -> int:
 
 def one_class_problem(data_cfg, what: str) -> str | None:
     """Why `what` (an accuracy) would mean nothing on this data set: one class scores 100%
-    whatever the network does. None with two classes or more."""
-    if num_classes(data_cfg) >= 2:
+    whatever the network does. None with two classes or more, and for a set without labels
+    (labels_problem)."""
+    if not dataset_info(data_cfg).labeled or num_classes(data_cfg) >= 2:
         return None
     names = class_names(data_cfg)
     where = f"data.root={data_cfg.get('root')}" if dataset_info(data_cfg).build is imagefolder.build else \
@@ -125,12 +140,32 @@ def one_class_problem(data_cfg, what: str) -> str | None:
             "network learned; give the data set a folder per class, at least two (train/<class>/, val/<class>/)")
 
 
+def labels_problem(data_cfg, what: str) -> str | None:
+    """Why `what` (an accuracy) cannot be had from this data set: it has no labels. None
+    for a labeled set."""
+    if dataset_info(data_cfg).labeled:
+        return None
+    where = data_cfg.get("files", None) or data_cfg.get("root", None)
+    return (f"data={data_cfg.name} ({where}) holds images without labels: {what} needs a labeled set; name one "
+            f"with data=<{'|'.join(LABELED)}> data.root=DIR (e.g. the eval.data and eval.root the DINO run was "
+            "judged on)")
+
+
 def require_classes(data_cfg, what: str) -> int:
-    """num_classes, or a UserError where one class makes `what` meaningless."""
-    problem = one_class_problem(data_cfg, what)
+    """num_classes, or a UserError where the set has no labels or one class makes `what`
+    meaningless."""
+    problem = labels_problem(data_cfg, what) or one_class_problem(data_cfg, what)
     if problem:
         raise UserError(problem)
     return num_classes(data_cfg)
+
+
+def check_split_classes(data_cfg) -> None:
+    """The test split has the training split's classes: an image folder's val/ holds the
+    class folders of train/ (one listing each, no image read, so an evaluator refuses a
+    mismatch before it extracts anything); the other data sets' classes are fixed."""
+    if dataset_info(data_cfg).build is imagefolder.build:
+        imagefolder.check_classes(imagefolder.split_dir(data_cfg, "test"), imagefolder.train_classes(data_cfg))
 
 
 def class_names(data_cfg) -> list[str]:
@@ -141,3 +176,38 @@ def class_names(data_cfg) -> list[str]:
     if info.build is imagefolder.build:
         return imagefolder.train_classes(data_cfg)
     return list(build_dataset(data_cfg, "test").classes)
+
+
+def eval_data(cfg):
+    """The labeled set the DINO trainer's k-NN and linear probe read: `eval.data` (with
+    `eval.root`, `eval.subset`) when named, else the training set when it has labels, else
+    None (no accuracy can be had). A named set is read at the training image size with the
+    training normalization (what the network was trained on); its own file says the rest
+    (crop ratio, where its files are found)."""
+    from resmlp.core.config import CONFIG_DIR
+    judge = cfg.get("eval", None) or {}
+    name = judge.get("data", None)
+    if name is None:
+        if judge.get("root", None) is not None or judge.get("subset", None) is not None:
+            raise UserError(f"eval.root / eval.subset are set but eval.data is not; name the labeled set too: "
+                            f"eval.data=<{'|'.join(LABELED)}>")
+        return cfg.data if dataset_info(cfg.data).labeled else None
+    own = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml").data
+    root = judge.get("root", None)
+    if root is None and DATASETS[name].build is imagefolder.build:
+        raise UserError(f"eval.data={name} needs eval.root=DIR, the folder with train/<class>/ and val/<class>/")
+    if root is not None and not os.path.isdir(os.path.expanduser(str(root))):
+        raise UserError(f"eval.root={root} is {'a file' if os.path.exists(os.path.expanduser(str(root))) else 'not there'}"
+                        f"; give the folder that holds eval.data={name}'s files")
+    base = OmegaConf.load(CONFIG_DIR / "defaults.yaml").data
+    return OmegaConf.merge(base, own, {
+        "name": name, "root": judge.get("root", None), "subset": judge.get("subset", None),
+        "img_size": cfg.data.img_size, "mean": cfg.data.mean, "std": cfg.data.std,
+        "download": cfg.data.get("download", True), "skip_corrupt": cfg.data.get("skip_corrupt", False)})
+
+
+def no_labels_note(cfg) -> str:
+    """What a DINO run on images without labels says once at its start and in results.json."""
+    return (f"data={cfg.data.name} has no labels and no labeled set was named: this run reports its health "
+            f"(loss, teacher entropy, KL, the collapse watch) but no k-NN or linear accuracy; name one with "
+            f"eval.data=<{'|'.join(LABELED)}> eval.root=DIR")

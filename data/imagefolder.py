@@ -4,12 +4,14 @@ Rules, each broken one is a UserError naming what to fix:
 - data.root must be set and exist, and hold train/ (and val/ for the test split);
 - classes are the sub-folders of train/ (sorted; hidden ones skipped); val/ must have
   exactly the same ones (the error names the extra and the missing ones);
-- images are files with an extension in images.IMG_EXTENSIONS, found recursively in a
-  class folder (symlinks followed); other files (README.txt, .DS_Store, ...) are ignored;
+- images are files with an extension in images.IMG_EXTENSIONS, found at any depth in a
+  class folder by folder.scan_folder (symlinks followed once); other files (README.txt,
+  .DS_Store, a photo without its extension, files outside the class folders) are skipped
+  and counted in the dataset's `skipped`, which `run.sh data` names;
 - every class folder needs at least one image (an empty one is named);
 - an unreadable (corrupt, truncated) image is named when it is loaded. With
   data.skip_corrupt=true every image is opened once when the dataset is built and the
-  unreadable ones are left out (a printed line says how many); with data.check=true
+  unreadable ones are left out (`unreadable`; a printed line says how many); with data.check=true
   the same scan runs and any unreadable image stops the build.
 
 ImageNet is this layout too (val/ sorted into the 1000 class folders, as DINO expects).
@@ -18,32 +20,20 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import torch
-
-from resmlp.core import dist
 from resmlp.core.errors import UserError
-from resmlp.data.decode import read_encoded
-from resmlp.data.images import IMG_EXTENSIONS, find_unreadable, is_image_file, load_rgb
+from resmlp.data.folder import HIDDEN, ImageFiles, Skipped, scan_folder, screen, serve_encoded  # noqa: F401
+from resmlp.data.images import IMG_EXTENSIONS, is_image_file
 from resmlp.data.paths import user_root
 
 SPLIT_DIRS = {"train": "train", "test": "val"}
 _LAYOUT = "expected <root>/train/<class>/<image> and <root>/val/<class>/<image>"
+LOOSE = "files outside the class folders (not read)"
 
 
 def class_folders(split_dir: str) -> list[str]:
     """Sorted names of the (non-hidden) sub-folders of `split_dir`."""
     return sorted(e.name for e in os.scandir(split_dir)
                   if not e.name.startswith(".") and e.is_dir(follow_symlinks=True))
-
-
-def images_under(folder: str) -> list[str]:
-    """Sorted paths of all image files below `folder`, recursively."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found.extend(os.path.join(dirpath, f) for f in sorted(filenames) if is_image_file(f))
-    return found
 
 
 def split_dir(data_cfg, split: str) -> str:
@@ -76,8 +66,8 @@ def train_classes(data_cfg) -> list[str]:
     return classes
 
 
-def scan(folder: str, classes: list[str]) -> list[tuple[str, int]]:
-    """[(path, label)] of every image under folder/<class>/, checking the folder rules."""
+def check_classes(folder: str, classes: list[str]) -> None:
+    """folder holds exactly the class folders of train/ (one listing, no image read)."""
     present = class_folders(folder)
     if present != classes:
         extra = sorted(set(present) - set(classes))
@@ -89,12 +79,27 @@ def scan(folder: str, classes: list[str]) -> list[tuple[str, int]]:
             parts.append(f"missing class folders {missing} that train/ has")
         raise UserError(f"{folder} does not have the classes of train/: {'; '.join(parts)}; "
                         f"make both hold the same class folders")
-    per_class = [images_under(os.path.join(folder, c)) for c in classes]
+
+
+def scan(folder: str, classes: list[str]) -> tuple[list[tuple[str, int]], Skipped]:
+    """([(path, label)] of every image under folder/<class>/, what was skipped), checking the
+    folder rules. Files lying directly in the split folder are skipped and counted too."""
+    check_classes(folder, classes)
+    skipped = Skipped()
+    for e in sorted(os.scandir(folder), key=lambda e: e.name):
+        if e.name.startswith("."):
+            skipped.add(HIDDEN, e.path)
+        elif not e.is_dir():
+            skipped.add(LOOSE, e.path)
+    scans = [scan_folder(os.path.join(folder, c)) for c in classes]
+    per_class = [s.paths for s in scans]
+    for s in scans:
+        skipped.merge(s.skipped)
     if not any(per_class):
         raise UserError(f"no images under {folder} (looked for {' '.join(IMG_EXTENSIONS)} in its "
-                        f"{len(classes)} class folders); {_LAYOUT}")
+                        f"{len(classes)} class folders; skipped {skipped.total()} other entries); {_LAYOUT}")
     check_nonempty(folder, classes, per_class)
-    return [(p, label) for label, paths in enumerate(per_class) for p in paths]
+    return [(p, label) for label, paths in enumerate(per_class) for p in paths], skipped
 
 
 def check_nonempty(folder: str, classes: list[str], per_class: list[list]) -> None:
@@ -106,71 +111,22 @@ def check_nonempty(folder: str, classes: list[str], per_class: list[list]) -> No
                         f"add images or remove the folder")
 
 
-def _scan_unreadable(paths: list[str]) -> list[tuple[str, str]]:
-    """find_unreadable, run by rank 0 only and shared with the other ranks when distributed."""
-    bad = find_unreadable(paths) if dist.is_main() else None
-    return dist.broadcast_object(bad)
-
-
-class ImageFolder(torch.utils.data.Dataset):
-    """One split of an image-folder dataset, yielding (transform(RGB PIL image), int label).
-
-    Attributes: `classes` (folder names), `class_to_idx`, `targets` (int64 array),
-    `samples` [(path, label)], `skipped` [(path, reason)] (unreadable files left out),
-    `source` (the split folder). Paths are kept in one numpy bytes array, not a list of
-    Python strings, so forked loader workers share them instead of copying them page by
-    page (a list of 1.28M strings is touched by refcounting and the GC).
-    """
+class ImageFolder(ImageFiles):
+    """One split of an image-folder dataset, yielding (transform(RGB PIL image), int label):
+    folder.ImageFiles with `classes` the class folders, `root` the split folder."""
 
     def __init__(self, folder: str, classes: list[str], transform=None,
                  skip_corrupt: bool = False, check: bool = False):
+        samples, skipped = scan(folder, list(classes))
+        bad = screen([p for p, _ in samples], folder, skip_corrupt, check)
+        if bad:
+            drop = {p for p, _ in bad}
+            samples = [s for s in samples if s[0] not in drop]
+            per_class = [[p for p, y in samples if y == i] for i in range(len(classes))]
+            check_nonempty(folder, list(classes), per_class)
+        super().__init__([p for p, _ in samples], [y for _, y in samples], classes, transform, folder,
+                         skipped, bad)
         self.root = folder
-        self.classes = list(classes)
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self.transform = transform
-        samples = scan(folder, self.classes)
-        self.skipped: list[tuple[str, str]] = []
-        if skip_corrupt or check:
-            if dist.is_main():
-                print(f"data: opening all {len(samples)} images under {folder} "
-                      f"to find unreadable ones", flush=True)
-            bad = _scan_unreadable([p for p, _ in samples])
-            if bad and not skip_corrupt:
-                path, reason = bad[0]
-                raise UserError(
-                    f"{len(bad)} unreadable image(s) under {folder}, the first {path} ({reason}); "
-                    f"fix or delete them or set data.skip_corrupt=true "
-                    f"(`run.sh data data.check=true` lists them all)")
-            if bad:
-                drop = {p for p, _ in bad}
-                samples = [s for s in samples if s[0] not in drop]
-                self.skipped = bad
-                per_class = [[p for p, y in samples if y == i] for i in range(len(self.classes))]
-                check_nonempty(folder, self.classes, per_class)
-            if skip_corrupt and dist.is_main():
-                print(f"data: skipped {len(bad)} unreadable image(s) under {folder} "
-                      f"(data.skip_corrupt=true)", flush=True)
-        self._paths = np.array([os.fsencode(p) for p, _ in samples], dtype=bytes)
-        # True: yield the files' bytes (decode.EncodedImage) for a transform that decodes
-        # them itself (serve_encoded); False: decoded RGB PIL images.
-        self.encoded = False
-        self.targets = np.array([y for _, y in samples], dtype=np.int64)
-        self.source = folder
-
-    @property
-    def samples(self) -> list[tuple[str, int]]:
-        return [(os.fsdecode(p), int(y)) for p, y in zip(self._paths, self.targets)]
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int):
-        path = os.fsdecode(self._paths[index])
-        # UserError naming the file when it cannot be read (for encoded: when decoded)
-        img = read_encoded(path) if self.encoded else load_rgb(path)
-        if self.transform is not None:
-            img = self.transform(img)
-        return img, int(self.targets[index])
 
 
 def build(data_cfg, split: str, transform=None) -> ImageFolder:
@@ -179,18 +135,3 @@ def build(data_cfg, split: str, transform=None) -> ImageFolder:
     return ImageFolder(folder, classes, transform,
                        skip_corrupt=bool(data_cfg.get("skip_corrupt", False)),
                        check=bool(data_cfg.get("check", False)))
-
-
-def serve_encoded(dataset) -> bool:
-    """Make the file dataset under `dataset` (through subset wrappers) yield EncodedImage
-    instead of PIL images. False when there are no files (in-memory datasets)."""
-    seen = 0
-    while not isinstance(dataset, ImageFolder) and seen < 8:
-        inner = getattr(dataset, "base", None) or getattr(dataset, "dataset", None)
-        if inner is None:
-            return False
-        dataset, seen = inner, seen + 1
-    if not isinstance(dataset, ImageFolder):
-        return False
-    dataset.encoded = True
-    return True

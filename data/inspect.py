@@ -1,8 +1,10 @@
 """`run.sh data`: print what a dataset holds, and with data.check=true, open every image.
 
-Prints the splits and their sizes, the classes with per-split counts, how images are
-stored (size, channels) and what the models get (RGB, img_size, normalization), where the
-files were found, and what data.subset picks. With data.check=true every image file is
+Prints the splits and their sizes, the classes with per-split counts (or that the images
+have no labels: data=folder), how images are stored (size, channels) and what the models
+get (RGB, img_size, normalization), where the files were found, what the scan skipped
+(counted by reason, the first ones named: files without an image extension, hidden ones,
+links to folders already scanned, ...), and what data.subset picks. With data.check=true every image file is
 opened and decoded and the unreadable ones are listed; any unreadable file is then a
 UserError unless data.skip_corrupt=true (then they are the ones training skips).
 With data.preview=N the DINO views of N training images are drawn by the trainer's data
@@ -16,9 +18,9 @@ import numpy as np
 from PIL import Image
 
 from resmlp.core.errors import UserError
-from resmlp.data.datasets import build_dataset, dataset_splits
+from resmlp.data.datasets import LABELED, build_dataset, dataset_info, dataset_splits
+from resmlp.data.folder import ImageFiles
 from resmlp.data.images import find_unreadable
-from resmlp.data.imagefolder import ImageFolder
 from resmlp.data.subset import make_subset
 from resmlp.data.torchvision_sets import TorchvisionImages
 from resmlp.data.transforms import build_eval_transform, mean_std
@@ -71,7 +73,7 @@ def stored_format(ds) -> str:
         shape = ds.base.data.shape  # CIFAR (N, H, W, 3), STL-10 (N, 3, H, W)
         h, w = (shape[1], shape[2]) if shape[-1] == 3 else (shape[2], shape[3])
         return f"{w}x{h}, 3 channels (RGB)"
-    if isinstance(ds, ImageFolder):
+    if isinstance(ds, ImageFiles):
         return _format_from_files([p for p, _ in ds.samples])
     return "unknown"
 
@@ -98,8 +100,22 @@ def _print_classes(classes: list[str], table: dict[str, np.ndarray]) -> None:
     print(f"  (first classes: {', '.join(classes[:10])}, ...)")
 
 
+def _print_skipped(datasets: dict) -> None:
+    """What the scans did not take, per split: counted by reason, the first ones named."""
+    for split, ds in datasets.items():
+        skipped = getattr(ds, "skipped", None)
+        if skipped is None:
+            continue
+        if not skipped.total():
+            print(f"skipped in {split}: nothing (every entry under {ds.source} is an image)")
+            continue
+        print(f"skipped in {split}: {skipped.total()} entries under {ds.source} not read as images:")
+        for line in skipped.lines():
+            print(f"  {line}")
+
+
 def _check(data_cfg, datasets: dict) -> None:
-    folders = {s: ds for s, ds in datasets.items() if isinstance(ds, ImageFolder)}
+    folders = {s: ds for s, ds in datasets.items() if isinstance(ds, ImageFiles)}
     if not folders:
         print("check: images are decoded arrays held in memory; there are no files to open")
         return
@@ -108,7 +124,9 @@ def _check(data_cfg, datasets: dict) -> None:
         print(f"check: opening all {len(ds)} images of {split} ({ds.source}) ...", flush=True)
         bad += find_unreadable([p for p, _ in ds.samples])
     if not bad:
-        print("check: every image is readable")
+        skipped = sum(ds.skipped.total() for ds in folders.values())
+        print(f"check: all {sum(len(ds) for ds in folders.values())} images are readable"
+              + (f"; {skipped} other entries were not read (skipped, listed above)" if skipped else ""))
         return
     print(f"check: {len(bad)} unreadable image(s):")
     for path, reason in bad:
@@ -135,9 +153,10 @@ def run(cfg) -> int:
     classes = list(first.classes)
     mean, std = mean_std(data_cfg)
     size = data_cfg.img_size
+    labeled = dataset_info(data_cfg).labeled
     print(f"dataset: {data_cfg.name}")
     for s, ds in datasets.items():
-        print(f"  {s}: {len(ds)} images, from {ds.source}")
+        print(f"  {s}: {len(ds)} images{'' if labeled else ' without labels'}, from {ds.source}")
     print(f"stored images: {stored_format(first)}")
     build_eval_transform(data_cfg)  # validates img_size, crop_ratio, mean, std
     resize = int(round(size / float(data_cfg.get("crop_ratio", 1.0))))
@@ -154,9 +173,16 @@ def run(cfg) -> int:
                 print(f"subset: data.subset={n} keeps {len(sub)} of the {len(datasets[s])} {s} images")
                 if s in table:
                     table[f"{s} subset"] = _counts(sub, len(classes))
-    _print_classes(classes, table)
+    if labeled:
+        _print_classes(classes, table)
+    else:
+        print(f"labels: none; DINO trains on these images, and its k-NN and linear probe read a labeled set "
+              f"named with eval.data=<{'|'.join(LABELED)}> eval.root=DIR")
+    _print_skipped(datasets)
     if data_cfg.get("check", False):
         _check(data_cfg, datasets)
+    elif any(isinstance(ds, ImageFiles) for ds in datasets.values()):
+        print("corrupt: not checked (data.check=true opens every image and lists the unreadable ones)")
     n = data_cfg.get("preview", 0)
     if n:
         from resmlp.data.preview import run_preview

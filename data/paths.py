@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from resmlp.core.errors import UserError
+
 DATA_DIR_ENV = "RESMLP_DATA_DIR"
 
 
@@ -21,11 +23,15 @@ def data_dir() -> str:
 
 
 def user_root(data_cfg) -> str | None:
-    """`data.root` with `~` expanded, or None when it is not set."""
+    """`data.root` with `~` expanded, or None when it is not set. It names a folder: a file
+    there is an error that says so (every data set reads its root through here)."""
     root = data_cfg.get("root", None)
     if root is None or str(root) == "":
         return None
-    return os.path.abspath(os.path.expanduser(str(root)))
+    path = os.path.abspath(os.path.expanduser(str(root)))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"data.root={path} is a file, not a folder: name the folder that holds the data set")
+    return path
 
 
 @contextlib.contextmanager

@@ -120,8 +120,6 @@ def run_preview(cfg, n: int) -> dict:
     from resmlp.data.transforms import mean_std
     from resmlp.data.crop_plan import build_views, crop_plan
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UserError(f"data.preview={n!r} must be a positive number of images")
     if cfg.dino.augment != "device":
         raise UserError("data.preview draws the device augmentation (dino.augment=device, the default); "
                         f"dino.augment={cfg.dino.augment} has no boxes to report")

@@ -12,7 +12,7 @@ rank gets the full result.
 
 Cache: features_for() keys a file on everything that changes the features (see
 cache_key): the weights' hash (not the file's path: the same weights from another
-format hit the same entry), the dataset (name, root, subset), the split, the eval
+format hit the same entry), the dataset (name, root, data=folder's file list, subset), the split, the eval
 transform (its repr plus img_size, crop_ratio, mean, std), n_last_blocks and the
 autocast dtype. Files: <cache_dir>/<split>-<key hash>.pt holding features, labels,
 classes and the key itself. cache_dir: `features.cache_dir` if set, else the
@@ -199,6 +199,8 @@ def cache_key(weights_hash: str, data_cfg, split: str, transform, n_last_blocks:
         "transform": describe_transform(transform),
         "n_last_blocks": int(n_last_blocks),
         "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype is not None else None,
+        # data=folder's list of paths (only where given: the other sets' keys stay as they were)
+        **({"files": str(Path(_get(data_cfg, "files")).expanduser().resolve())} if _get(data_cfg, "files") else {}),
     }
 
 

@@ -1,6 +1,6 @@
 """What the k-NN evaluator sees: a few test images, each with its k nearest training images.
 
-The neighbours come from the evaluator itself (eval/knn.py: query_neighbours, i.e.
+The neighbours come from the evaluator itself (eval/knn_search.py: query_neighbours, i.e.
 knn_search's exact, canonically ordered search over L2-normalised features), on the
 features the caller already has: the `viz` command's (eval/features.py, the k-NN
 command's cache) or the DINO trainer's online k-NN. This module only picks the queries
@@ -10,14 +10,16 @@ neighbours.png: one row per query: the query (blue frame, its class), then its k
   nearest training images, nearest first, framed green where the label matches the
   query's and red where it does not (the neighbour's class is then printed above it),
   with the cosine similarity printed below. What is shown is the eval transform's
-  image, the crop the features were computed from.
+  image, the crop the features were computed from. On images without labels
+  (data=folder) the queries are images of the set itself, their neighbours are searched
+  among its other images (the query left out), and every frame is grey: no label to match.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-MATCH, MISMATCH, QUERY = "#1a9641", "#d7191c", "#2b83ba"
+MATCH, MISMATCH, QUERY, UNLABELED = "#1a9641", "#d7191c", "#2b83ba", "#9e9e9e"
 
 
 def pick_queries(labels, n: int, seed: int = 0) -> list[int]:
@@ -44,23 +46,40 @@ def pick_queries(labels, n: int, seed: int = 0) -> list[int]:
     return sorted(picks, key=lambda i: (int(labels[i]), i))
 
 
+def _without_self(sims: torch.Tensor, idx: torch.Tensor, queries, k: int):
+    """Each row's neighbours with the query itself left out (bank and queries are one set),
+    the first k of the rest, in the search's order."""
+    keep = idx != torch.as_tensor(queries, dtype=idx.dtype).view(-1, 1)
+    keep &= keep.cumsum(1) <= k          # a row without the query drops its last instead
+    return sims[keep].view(-1, k), idx[keep].view(-1, k)
+
+
 def neighbours(train_features, train_labels, test_features, test_labels, queries, k: int = 5,
-               backend: str = "auto", device=None) -> dict:
+               backend: str = "auto", device=None, same_set: bool = False) -> dict:
     """The evaluator's k nearest training images of the test images at `queries`.
 
     Returns {'k', 'queries', 'query_labels', 'indices' (train indices, nearest first),
     'similarities' (cosine), 'labels' (the neighbours'), 'match' (label == query's),
-    'match_rate'}, plain lists (viz.json's 'neighbours').
+    'match_rate'}, plain lists (viz.json's 'neighbours'); labels, match and match_rate
+    are None for images without labels. same_set: the queries index the bank itself
+    (test_features is train_features), and each query is left out of its own neighbours.
     """
-    from resmlp.eval.knn import query_neighbours
-    sims, idx = query_neighbours(train_features, test_features, queries, k, backend, device)
+    from resmlp.eval.knn_search import query_neighbours
+    n_bank = len(train_features)
+    search = min(k + 1, n_bank) if same_set else k
+    sims, idx = query_neighbours(train_features, test_features, queries, search, backend, device)
+    if same_set:
+        k = search - 1 if search <= k else k
+        sims, idx = _without_self(sims, idx, queries, k)
     ytr = torch.as_tensor(np.asarray(train_labels)).long().reshape(-1)
     yq = torch.as_tensor(np.asarray(test_labels)).long().reshape(-1)[torch.as_tensor(queries)]
+    out = {"k": int(idx.shape[1]), "queries": [int(q) for q in queries], "query_labels": yq.tolist(),
+           "indices": idx.tolist(), "similarities": [[round(float(s), 6) for s in row] for row in sims]}
+    if not bool((ytr >= 0).any()):
+        return {**out, "query_labels": None, "labels": None, "match": None, "match_rate": None}
     ynb = ytr[idx]
     match = ynb == yq[:, None]
-    return {"k": int(idx.shape[1]), "queries": [int(q) for q in queries], "query_labels": yq.tolist(),
-            "indices": idx.tolist(), "similarities": [[round(float(s), 6) for s in row] for row in sims],
-            "labels": ynb.tolist(), "match": match.tolist(), "match_rate": float(match.float().mean())}
+    return {**out, "labels": ynb.tolist(), "match": match.tolist(), "match_rate": float(match.float().mean())}
 
 
 def shown_images(dataset, indices, mean, std) -> list[np.ndarray]:
@@ -88,9 +107,13 @@ def draw_neighbours(nb: dict, query_images, neighbour_images, class_names, title
     from resmlp.eval.figure import new_figure, wrap
     n, k = len(nb["queries"]), nb["k"]
     names = list(class_names or [])
+    labeled = nb["match"] is not None
 
     def name(y: int) -> str:
         return names[y] if 0 <= y < len(names) else str(y)
+
+    def frame(r: int, c: int) -> str:
+        return (MATCH if nb["match"][r][c] else MISMATCH) if labeled else UNLABELED
 
     s = query_images[0].shape[0]                 # the eval transform's square crop
     b = max(1, round(s / 14))                    # frame width
@@ -103,17 +126,16 @@ def draw_neighbours(nb: dict, query_images, neighbour_images, class_names, title
     ax = fig.add_axes((0, 0, 1, height / s * 0.95 / (height / s * 0.95 + 0.45)))
     for r in range(n):
         y = r * (cell + 2 * text) + text
-        row = [(query_images[r], QUERY)] + [(neighbour_images[r][c], MATCH if nb["match"][r][c] else MISMATCH)
-                                           for c in range(k)]
+        row = [(query_images[r], QUERY)] + [(neighbour_images[r][c], frame(r, c)) for c in range(k)]
         for c, (img, color) in enumerate(row):
             mosaic[y:y + cell, x0[c]:x0[c] + cell] = _hex_rgb(color)
             mosaic[y + b:y + b + s, x0[c] + b:x0[c] + b + s] = img[..., :3]
-        ax.text(x0[0] + cell / 2, y - 1, f"#{nb['queries'][r]} {name(nb['query_labels'][r])}",
-                ha="center", va="bottom", fontsize=6)
+        ax.text(x0[0] + cell / 2, y - 1, f"#{nb['queries'][r]}" + (f" {name(nb['query_labels'][r])}" if labeled
+                                                                  else ""), ha="center", va="bottom", fontsize=6)
         for c in range(k):
             mid = x0[c + 1] + cell / 2
             ax.text(mid, y + cell + 1, f"{nb['similarities'][r][c]:.3f}", ha="center", va="top", fontsize=6)
-            if not nb["match"][r][c]:
+            if labeled and not nb["match"][r][c]:
                 ax.text(mid, y - 1, name(nb["labels"][r][c]), ha="center", va="bottom", fontsize=5,
                         color=MISMATCH)
     ax.imshow(mosaic, interpolation="nearest")
@@ -130,16 +152,22 @@ def rgb_array(fig) -> np.ndarray:
 
 def neighbours_figure(train_features, train_labels, train_set, test_features, test_labels, test_set,
                       queries, data_cfg, class_names, title: str, k: int = 5, backend: str = "auto",
-                      device=None, dpi: int = 150):
-    """(Figure, viz.json's entry): the neighbours of `queries` and the grid that shows them."""
+                      device=None, dpi: int = 150, same_set: bool = False):
+    """(Figure, viz.json's entry): the neighbours of `queries` and the grid that shows them;
+    same_set: queries and bank are one set (images without labels), the query left out."""
     from resmlp.data import mean_std
-    nb = neighbours(train_features, train_labels, test_features, test_labels, queries, k, backend, device)
+    nb = neighbours(train_features, train_labels, test_features, test_labels, queries, k, backend, device,
+                    same_set)
     mean, std = mean_std(data_cfg)
     q_img = shown_images(test_set, queries, mean, std)
     flat = shown_images(train_set, [i for row in nb["indices"] for i in row], mean, std)
     nb_img = [flat[r * nb["k"]:(r + 1) * nb["k"]] for r in range(len(queries))]
-    header = (f"{title}\n{nb['k']} nearest training images (cosine of L2-normalised features, the k-NN's "
-              f"own search); green: same label, red: another ({100 * nb['match_rate']:.0f}% same)")
+    if nb["match"] is None:
+        header = (f"{title}\n{nb['k']} nearest other images of the set (cosine of L2-normalised features, the "
+                  "k-NN's own search); no labels to compare")
+    else:
+        header = (f"{title}\n{nb['k']} nearest training images (cosine of L2-normalised features, the k-NN's "
+                  f"own search); green: same label, red: another ({100 * nb['match_rate']:.0f}% same)")
     return draw_neighbours(nb, q_img, nb_img, class_names, header, dpi), nb
 
 

@@ -22,6 +22,12 @@ patch_pca.png (eval/patch_pca.py): for viz.pca_images of those test images, the 
   tokens before pooling on their first 3 principal components as RGB at the patch grid,
   and the first component thresholded (viz.pca_threshold); at viz.pca_size px (null: the
   data's size), any size the backbone takes.
+embedding.png (eval/embedding.py): a t-SNE map of the features of viz.embedding_images
+  seeded test images, coloured by class; coordinates in viz.json.
+On images without labels (data=folder) the query split is the folder's images: the
+neighbours are searched among its other images and drawn without label frames, the patch
+map shows its images, and the embedding places a grid of thumbnails at the map's
+positions (viz.embedding_grid cells a side).
 viz.json: the numbers behind the figures. Everything goes to cfg.out, else
 <run dir>/viz/ (beside a foreign checkpoint file: <its folder>/viz/; timm:<name>:
 runs/eval/<name>/viz/).
@@ -43,7 +49,7 @@ from resmlp.core.errors import UserError
 from resmlp.eval.figure import new_figure
 
 WEIGHT_FIGURES = ("cross_patch", "sparsity", "curves")
-FEATURE_FIGURES = ("neighbours", "patch_pca")
+FEATURE_FIGURES = ("neighbours", "patch_pca", "embedding")
 FIGURES = WEIGHT_FIGURES + FEATURE_FIGURES
 THRESHOLD = 0.05
 
@@ -62,6 +68,8 @@ class FeatureInputs:
     seed: int = 0
     backend: str = "auto"
     device: object = None
+    embedding_images: int = 2000
+    embedding_grid: int = 16
 
 
 # --------------------------------------------------------------------------- weights
@@ -368,42 +376,65 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIG
     return result
 
 
+def query_split(data_cfg) -> str:
+    """The split the feature figures query: the test split, or the only one of a set without
+    labels (data=folder), whose images are then also the neighbours' bank."""
+    from resmlp.data.datasets import dataset_info
+    return "test" if dataset_info(data_cfg).labeled else "train"
+
+
+def feature_splits(data_cfg, figures) -> list[str]:
+    """The splits whose features the figures need (extracted once, the k-NN's cache)."""
+    need = set()
+    if "neighbours" in figures:
+        need |= {"train", query_split(data_cfg)}
+    if "embedding" in figures:
+        need.add(query_split(data_cfg))
+    return sorted(need, reverse=True)   # train first, as the knn command extracts
+
+
 def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, figures, label: str,
                     dpi: int, files: list) -> dict:
-    """neighbours.png and patch_pca.png (those of them in `figures`); viz.json's entries."""
+    """neighbours.png, patch_pca.png and embedding.png (those of them in `figures`);
+    viz.json's entries."""
     from omegaconf import OmegaConf
 
     import resmlp.data as rdata
-    from resmlp.eval.knn import backend_name
+    from resmlp.eval.knn_search import backend_name
     from resmlp.eval.neighbours import neighbours_figure, pick_queries, shown_images
     from resmlp.eval.patch_pca import draw_patch_pca, patch_pca
 
     data_cfg, out = inputs.data_cfg, {}
-    test_set = rdata.build_dataset(data_cfg, "test", transform=rdata.build_eval_transform(data_cfg))
+    split = query_split(data_cfg)
+    same_set = split == "train"     # no labels: the queries are images of the bank itself
+    test_set = rdata.build_dataset(data_cfg, split, transform=rdata.build_eval_transform(data_cfg))
     names = list(getattr(test_set, "classes", None) or [])
+    what = f"{data_cfg.name} test queries" if not same_set else f"{data_cfg.name} images (no labels)"
     if "neighbours" in figures:
-        tr, te = inputs.features["train"], inputs.features["test"]
-        train_set = rdata.build_dataset(data_cfg, "train", transform=rdata.build_eval_transform(data_cfg))
+        tr, te = inputs.features["train"], inputs.features[split]
+        train_set = test_set if same_set else rdata.build_dataset(data_cfg, "train",
+                                                                  transform=rdata.build_eval_transform(data_cfg))
         queries = pick_queries(te["labels"], inputs.queries, inputs.seed)
         fig, nb = neighbours_figure(tr["features"], tr["labels"], train_set, te["features"], te["labels"],
-                                    test_set, queries, data_cfg, names, f"{label}: {data_cfg.name} test queries",
-                                    inputs.k, inputs.backend, inputs.device, dpi)
+                                    test_set, queries, data_cfg, names, f"{label}: {what}",
+                                    inputs.k, inputs.backend, inputs.device, dpi, same_set=same_set)
         fig.savefig(out_dir / "neighbours.png", dpi=dpi)
         files.append("neighbours.png")
         backend = backend_name(inputs.backend, inputs.device)
-        out["neighbours"] = {"split": "test -> train", "seed": inputs.seed,
-                             "search": f"eval.knn.query_neighbours, backend {backend}",
+        out["neighbours"] = {"split": "train -> train, the query left out" if same_set else "test -> train",
+                             "seed": inputs.seed,
+                             "search": f"eval.knn_search.query_neighbours, backend {backend}",
                              "train_cache": tr.get("cache"), "test_cache": te.get("cache"), **nb}
     if "patch_pca" in figures:
         size = int(inputs.pca_size or data_cfg.img_size)
         pca_cfg = OmegaConf.merge(data_cfg, {"img_size": size}) if size != data_cfg.img_size else data_cfg
         pca_set = test_set if pca_cfg is data_cfg else rdata.build_dataset(
-            pca_cfg, "test", transform=rdata.build_eval_transform(pca_cfg))
+            pca_cfg, split, transform=rdata.build_eval_transform(pca_cfg))
         idx = pick_queries(test_set.targets, inputs.pca_images, inputs.seed)
         res = patch_pca(backbone, torch.stack([torch.as_tensor(pca_set[i][0]) for i in idx]), inputs.pca_threshold)
         shown = shown_images(pca_set, idx, *rdata.mean_std(pca_cfg))
         ys = [int(test_set.targets[i]) for i in idx]
-        titles = [f"#{i} {names[y] if 0 <= y < len(names) else y}" for i, y in zip(idx, ys)]
+        titles = [f"#{i}" + ("" if y < 0 else f" {names[y] if y < len(names) else y}") for i, y in zip(idx, ys)]
         h, w = res["grid"]
         adapt = f", grid_adapt={res['grid_adapt']}" if res["grid_adapt"] not in (None, "none") else ""
         fig = draw_patch_pca(res, shown, titles, f"{label}: patch tokens before pooling at {size} px "
@@ -416,6 +447,16 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
                             "foreground_fraction": [float(m.mean()) for m in res["mask"]],
                             "orientation": "PC1: border patches score lower on average; PC2, PC3: "
                                            "largest loading positive"}
+    if "embedding" in figures:
+        from resmlp.eval.embedding import embedding_figure
+        te = inputs.features[split]
+        fig, entry = embedding_figure(te["features"], te["labels"], test_set, data_cfg, names,
+                                      inputs.embedding_images, inputs.seed, inputs.embedding_grid,
+                                      f"{label}: {what}", dpi)
+        if fig is not None:
+            fig.savefig(out_dir / "embedding.png", dpi=dpi)
+            files.append("embedding.png")
+        out["embedding"] = {"split": split, "data": data_cfg.name, "cache": te.get("cache"), **entry}
     return out
 
 
@@ -436,16 +477,18 @@ def viz_command(cfg, bb) -> dict | None:
     v = cfg.viz
     figures = _figures(v.figures)
     weight_inputs(bb.model, bb.info, figures, v.central, float(v.threshold))
-    features = None
-    if "neighbours" in figures:  # every process extracts its shard, as for the knn command
-        features = {split: split_features(cfg, bb, split) for split in ("train", "test")}
+    # every process extracts its shard, as for the knn command
+    features = {split: split_features(cfg, bb, split) for split in feature_splits(cfg.data, figures)}
     if not dist.is_main():  # one process draws
         return None
     inputs = None
     if any(f in FEATURE_FIGURES for f in figures):
-        n_train = features["train"]["features"].shape[0] if features else 2**62
+        # on a set without labels the bank is the queries' own set, one of them left out
+        n_train = features["train"]["features"].shape[0] - (query_split(cfg.data) == "train") \
+            if "neighbours" in figures else 2**62
         inputs = FeatureInputs(cfg.data, features, check_ks(v.k, n_train, "viz.k")[0], int(v.queries), int(v.pca_images),
-                               v.pca_size, float(v.pca_threshold), int(cfg.seed), str(cfg.knn.backend), bb.device)
+                               v.pca_size, float(v.pca_threshold), int(cfg.seed), str(cfg.knn.backend), bb.device,
+                               int(v.embedding_images), int(v.embedding_grid))
     return make_figures(bb.model, bb.info, bb.out_dir, figures, v.central, float(v.threshold), int(v.dpi),
                         inputs=inputs)
 
@@ -459,5 +502,5 @@ def run(cfg) -> int:
     from resmlp.eval.command import eval_command
     check_viz_config(cfg.viz)
     # on the CPU when only weights are drawn; the features want the command's device
-    device = None if "neighbours" in _figures(cfg.viz.figures) else "cpu"
+    device = None if {"neighbours", "embedding"} & set(_figures(cfg.viz.figures)) else "cpu"
     return eval_command(viz_command, sub_dir="viz", device=device)(cfg)

@@ -14,12 +14,13 @@ import torch
 
 from resmlp.core import dist
 from resmlp.core.config import as_list
-from resmlp.core.engine import Cadence, Run, command, progress
+from resmlp.core.engine import Cadence, Run, command, progress, run_dir
 from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data.crop_plan import build_views, crop_plan
-from resmlp.data.datasets import fit_demo_subset, one_class_problem
+from resmlp.data.datasets import eval_data, fit_demo_subset, no_labels_note, one_class_problem
+from resmlp.data.folder import FileLists
 from resmlp.data.resumable import build_train_loader
 from resmlp.eval.knn import check_ks
 from resmlp.ssl.health import CollapseWatch, collapse_kl, collapse_warning, drift_advice
@@ -37,31 +38,38 @@ LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teach
 
 
 def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache: dict | None = None,
-               picture_step: int | None = None) -> dict:
+               picture_step: int | None = None, few_labels: bool = False) -> dict:
     """k-NN (knn.k, DINO's protocol) and optionally a linear probe of the teacher's features;
-    with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard.
-    cache: the run's dict of eval images kept between calls (eval.knn.online_knn)."""
+    with picture_step (and dino.tensorboard_neighbours) the neighbours grid goes to TensorBoard;
+    with few_labels (and knn.n_per_class) the k-NN on knn.tries banks of n images per class too.
+    cache: the run's dict of eval images kept between calls (eval.knn.online_knn). The images
+    are eval_data's: the training set, or the labeled set eval.data names."""
     from resmlp.eval.knn import online_knn
+    from resmlp.eval.low_shot import sizes
     temp = float(cfg.knn.temperature)
     picture = picture_step is not None and bool(cfg.dino.tensorboard_neighbours)
-    res = online_knn(teacher_backbone, cfg.data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
+    data = eval_data(cfg)
+    few = few_labels and bool(sizes(cfg.knn.n_per_class))
+    res = online_knn(teacher_backbone, data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
                      batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
-                     keep_features=linear or picture, cache=cache)
+                     keep_features=linear or picture or few, cache=cache)
     k = res["knn_k"]
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
     if picture and run.is_main:
         from resmlp.eval.neighbours import online_grid
-        run.log_image("knn_neighbours", online_grid(res, cfg.data, f"teacher, {tag}: k-NN top-1 "
+        run.log_image("knn_neighbours", online_grid(res, data, f"teacher, {tag}: k-NN top-1 "
                                                     f"{out['knn_top1']:.2f}", seed=int(cfg.seed),
                                                     backend=cfg.knn.backend), picture_step)
+    if few:
+        out["knn_low_shot"] = dist.broadcast_object(knn_few_labels(run, res, cfg, tag) if run.is_main else None)
     if linear:
         lin = {}
         if run.is_main:
             from resmlp.eval.linear import train_linear_on_features
             (trf, trl), (tef, tel) = res["features"]["train"], res["features"]["test"]
-            lin = train_linear_on_features(trf, trl, tef, tel, num_classes(cfg.data))
+            lin = train_linear_on_features(trf, trl, tef, tel, num_classes(data))
             run.print(f"[{tag}] linear top1={lin['top1']:.2f} top5={lin['top5']:.2f} "
                       f"(cached features, best lr {lin['lr']:g})")
         lin = dist.broadcast_object(lin)
@@ -69,10 +77,23 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
     return out
 
 
-def build_data(cfg, run, plan):
-    """(the views of `plan`, the training split, its loader, its resumable sampler)."""
+def knn_few_labels(run, res: dict, cfg, tag: str) -> dict:
+    """knn_report's few-label k-NN (rank 0) on the features online_knn kept: printed as a
+    table, returned for results.json."""
+    from resmlp.eval.knn import format_low_shot, knn_low_shot
+    (trf, trl), (tef, tel) = res["features"]["train"], res["features"]["test"]
+    few = knn_low_shot(trf, trl, tef, tel, res["num_classes"], as_list(cfg.knn.k), float(cfg.knn.temperature),
+                       cfg.knn.n_per_class, int(cfg.knn.tries), int(cfg.seed), cfg.knn.backend, device=run.device,
+                       class_names=getattr(res["datasets"]["train"], "classes", None))
+    run.print(f"[{tag}] " + format_low_shot(few, res["knn"], res["n_train"]))
+    return few
+
+
+def build_data(cfg, run, plan, lists: FileLists | None = None):
+    """(the views of `plan`, the training split, its loader, its resumable sampler); `lists`:
+    the run's folder scans (data=folder)."""
     views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=run.device)
-    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
+    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data), lists=lists)
     loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
                                          pin_memory=run.device.type == "cuda", keyed=views.keyed,
                                          collate_fn=views.collate)
@@ -84,26 +105,32 @@ def train(cfg, hooks: DinoHooks | None = None):
     `hooks` are a study's extension points (ssl.networks.DinoHooks)."""
     hooks = hooks or DinoHooks()
     demo = bool(cfg.demo)
-    fitted = fit_demo_subset(cfg)
+    judge = eval_data(cfg)  # the labeled set the k-NN and linear probe read (None: no labels)
+    lists = FileLists(run_dir(cfg))  # a folder is scanned once per run dir: a resumed run reads its list
+    fitted = fit_demo_subset(cfg, lists)
     run = Run(cfg)
     device = run.device
     start = continuing(cfg, run, hooks)  # dino.init: where the weights start (ssl/init.py), checked first
 
     # ---- data: the multi-crop views of the training split ----------------------------------
     plan = crop_plan(cfg)
-    views, dataset, loader, sampler = build_data(cfg, run, plan)
+    views, dataset, loader, sampler = build_data(cfg, run, plan, lists)
     if hooks.views:
         hooks.views(views, cfg)
     ipe = sampler.batches_per_epoch
-    # the k-NN's bank is the (labelled) training split: its k must fit before any work
-    check_ks(cfg.knn.k, len(dataset) if train_split_for_ssl(cfg.data) == "train" else
-             len(build_dataset(cfg.data, "train")))
+    # the k-NN's bank is the train split of the labeled set (eval_data): its k must fit before
+    # any work; without one the run reports its health only
+    if judge is not None:
+        check_ks(cfg.knn.k, len(dataset) if judge is cfg.data and train_split_for_ssl(cfg.data) == "train" else
+                 len(build_dataset(judge, "train")))
     if demo:
         run.print(DEMO_TEXT.format(c=cfg, n=len(dataset)) + (f" ({fitted})" if fitted else ""))
+    no_labels = no_labels_note(cfg) if judge is None else None
     # DINO needs no labels, so one class is a valid training set; only its k-NN says nothing
-    one_class = one_class_problem(cfg.data, "the teacher's k-NN (and linear) accuracy")
-    if one_class:
-        run.print(f"warning: {one_class}")
+    one_class = one_class_problem(judge, "the teacher's k-NN (and linear) accuracy") if judge is not None else None
+    for note in (no_labels, one_class):
+        if note:
+            run.print(f"warning: {note}")
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
     step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size, hooks, start)
@@ -127,18 +154,20 @@ def train(cfg, hooks: DinoHooks | None = None):
     if start is not None and not start_it:
         results["init_from"] = start.record()
         run.print(describe_start(start))
+    lists.save()  # the folder's list, into the run dir that exists now
     knn_images = {}  # the eval images, loaded and transformed once for every k-NN of the run
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
     with cadence.evaluating():
-        if not start_it and (demo or cfg.eval_every or start is not None):
+        if judge is not None and not start_it and (demo or cfg.eval_every or start is not None):
             results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init", cache=knn_images,
                                          picture_step=0 if cfg.eval_every else None)
             run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
-        if demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
+        if judge is not None and demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
             results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=knn_images)
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
 
-    run.print(f"DINO {cfg.model.name} on {cfg.data.name}: {len(dataset)} images, {E} epochs x {ipe} iterations, global "
+    judged = "" if judge is None or judge is cfg.data else f", judged on {judge.name} ({judge.root or 'found'})"
+    run.print(f"DINO {cfg.model.name} on {cfg.data.name}{judged}: {len(dataset)} images, {E} epochs x {ipe} iterations, global "
               f"batch {cfg.batch_size} on {run.world_size} x {device.type}, crops {plan.label()} px "
               f"({plan.strategy}, made on the {cfg.dino.augment}), run dir {run.dir}")
 
@@ -178,7 +207,7 @@ def train(cfg, hooks: DinoHooks | None = None):
         if warning:
             run.print(f"warning: {warning}")
         warmed = start is not None and epoch + 1 == start.warmup_epochs  # the head warm-up ends here
-        if cadence.eval_due(epoch + 1) or warmed:  # <- sync point: the k-NN
+        if judge is not None and (cadence.eval_due(epoch + 1) or warmed):  # <- sync point: the k-NN
             with cadence.evaluating():
                 res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images,
                                  picture_step=it)
@@ -191,15 +220,18 @@ def train(cfg, hooks: DinoHooks | None = None):
     if cfg.save_rank_weights:  # to check that DDP kept the ranks in step
         torch.save({"student": step.raw_student.state_dict(), "teacher": teacher.state_dict()},
                    run.dir / f"weights_rank{run.rank}.pth")
-    with cadence.evaluating(final=True):
-        final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear,
-                           cache=knn_images,
-                           picture_step=it if cfg.eval_every else None)
-    run.log({"epoch": E, **final}, step=it)
-    results["final"] = final
-    if one_class:
-        results["warning"] = one_class
-        run.print(f"warning: {one_class}")
+    final = {}
+    if judge is not None:
+        with cadence.evaluating(final=True):
+            final = knn_report(run, teacher.backbone, cfg, "teacher after training", linear=cfg.dino.final_linear,
+                               cache=knn_images,
+                               picture_step=it if cfg.eval_every else None, few_labels=True)
+        run.log({"epoch": E, **final}, step=it)
+    results["final"], results["eval_data"] = final, judge.name if judge is not None else None
+    for note in (no_labels, one_class):
+        if note:
+            results["warning"] = note
+            run.print(f"warning: {note}")
     # summed over every start: a finished run resumed again keeps its rate
     summary = run.finish(summarize(run, cfg, results, teacher, cadence.timing_report()["train_images_per_s"]))
     return run, step.raw_student, teacher, summary
@@ -209,14 +241,14 @@ def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
     """Print the k-NN from init to the end (and raw pixels' beside it); results.json's
     fields (run.finish adds the wall time and the device)."""
     init, final = results.get("init"), results["final"]
-    if init and run.is_main:
+    if init and final and run.is_main:
         pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
                   if "pixels" in results else "")
         warm = results.get("after_warmup")
         warm = f"{warm['knn_top1']:.2f} after the head warm-up -> " if warm else ""
         run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {warm}{final['knn_top1']:.2f} after {cfg.epochs} "
                   f"epochs ({final['knn_top1'] - init['knn_top1']:+.2f}){pixels}")
-    if run.is_main:
+    if final and run.is_main:
         print(f"knn top1={final['knn_top1']:.2f} top5={final['knn_top5']:.2f} "
               f"(k={final['knn_k']}, T={float(cfg.knn.temperature):g})")
     return {"command": "dino", "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
@@ -227,6 +259,7 @@ def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
             "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
             **{f"init_{k}": v for k, v in results.get("init", {}).items()},
             **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final,
+            "eval_data": results.get("eval_data"),
             **({"warning": results["warning"]} if "warning" in results else {})}
 
 

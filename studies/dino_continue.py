@@ -1,6 +1,6 @@
 """Continuing DINO from weights without wrecking them (issue 30, part 5; docs/dino_learning.md).
 
-    python studies/dino_continue.py prepare DIR       # the study's image folders, as PNGs
+    python studies/dino_continue.py prepare DIR [N]   # the study's image folders, as PNGs
     python studies/dino_continue.py table RUN [RUN ...] [--low-shot]   # the table of the runs
 
 The stand-in for a released checkpoint is the CPU demo's teacher pretrained on the
@@ -12,6 +12,7 @@ unlabeled images of all ten classes and judged by k-NN on all ten. `prepare` wri
     DIR/fm10/*.png    the continuation's unlabeled images: the 5000 training images the demo
         takes from all ten classes (data.subset=5000's class-balanced pick), no class folders
         (`data=folder`)
+N (a test's size): the first N images of each class in fm04 and an N-image pick in fm10.
 
 The runs themselves are the project's commands (`bash run.sh dino ...`, `export`, `knn`);
 docs/dino_learning.md lists each one. `table` reads their results.json and log.jsonl (the
@@ -37,7 +38,7 @@ def _write(images: np.ndarray, folder: Path, stems) -> None:
         Image.fromarray(img, mode="L").save(folder / f"{stem}.png")
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, n: int | None = None) -> None:
     from resmlp.data.fashion_mnist import find_idx_dir, load_split, search_dirs
     from resmlp.data.subset import balanced_subset_indices
     folder = next((f for f in map(find_idx_dir, search_dirs()) if f), None)
@@ -46,14 +47,14 @@ def prepare(out: Path) -> None:
     for split, sub in (("train", "train"), ("test", "val")):
         images, labels = load_split(folder, split)
         for k in CLASSES_PRETRAINED:
-            idx = np.flatnonzero(labels == k)
+            idx = np.flatnonzero(labels == k)[:n]
             _write(images[idx], out / "fm04" / sub / str(k), (f"{i:05d}" for i in idx))
-        print(f"fm04/{sub}: {int(np.isin(labels, CLASSES_PRETRAINED).sum())} images of classes "
-              f"{', '.join(map(str, CLASSES_PRETRAINED))}")
+        written = sum(len(list((out / "fm04" / sub / str(k)).iterdir())) for k in CLASSES_PRETRAINED)
+        print(f"fm04/{sub}: {written} images of classes {', '.join(map(str, CLASSES_PRETRAINED))}")
     images, labels = load_split(folder, "train")
-    idx = balanced_subset_indices(labels, CONTINUE_IMAGES, 10)
+    idx = balanced_subset_indices(labels, n or CONTINUE_IMAGES, 10)
     _write(images[idx], out / "fm10", (f"{i:05d}" for i in idx))
-    print(f"fm10: {len(idx)} unlabeled images of all ten classes (the demo's data.subset={CONTINUE_IMAGES} pick)")
+    print(f"fm10: {len(idx)} unlabeled images of all ten classes (data.subset={n or CONTINUE_IMAGES}'s pick)")
 
 
 # ---------------------------------------------------------------------------- the table
@@ -106,7 +107,7 @@ def table(runs: list[Path], low_shot: bool = False) -> str:
 if __name__ == "__main__":
     args = sys.argv[1:]
     if len(args) >= 2 and args[0] == "prepare":
-        prepare(Path(args[1]))
+        prepare(Path(args[1]), int(args[2]) if len(args) > 2 else None)
     elif len(args) >= 2 and args[0] == "table":
         shots = "--low-shot" in args
         print(table([Path(a) for a in args[1:] if a != "--low-shot"], shots))

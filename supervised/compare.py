@@ -182,6 +182,9 @@ def check_all(cfg, steps: list[Step]) -> None:
     for step in steps:
         try:
             sub = sub_config(cfg, step, made.get(step.base_dir))
+            if step.command == "dino":
+                from resmlp.data.crop_plan import crop_plan
+                crop_plan(sub)  # the crop sizes against the model, as the trainer checks them first
         except UserError as e:
             raise UserError(f"the {step.key} path (`{step.command}`, compare.extra.{step.key}): {e}") from None
         made[step.dir] = to_dict(sub)

@@ -186,7 +186,8 @@ def test_run_sh_passes_the_rendezvous_or_the_master_to_torchrun(tmp_path):
                       NNODES="2", RDZV_ENDPOINT="node7:29400", RDZV_ID="job42")
     rdzv = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).stdout.splitlines()[-1]
     assert rdzv.startswith("-m torch.distributed.run --nproc_per_node=4 --nnodes=2 --rdzv_backend=c10d "
-                           "--rdzv_endpoint=node7:29400 --rdzv_id=job42 -m resmlp.core.cli dino")
+                           "--rdzv_endpoint=node7:29400 --rdzv_id=job42 --rdzv_conf=join_timeout=300 "
+                           "-m resmlp.core.cli dino")
     assert "master_addr" not in rdzv and "node_rank" not in rdzv
     cmd, env = run_sh("dino", "resmlp_s12", RESMLP_PYTHON=str(fake), NPROC_PER_NODE="4", NNODES="2",
                       NODE_RANK="1", MASTER_ADDR="node0")

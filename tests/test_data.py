@@ -193,7 +193,7 @@ def test_skip_corrupt_counts(tmp_path, capsys):
     truncated_jpeg(str(tmp_path / "train" / "dog" / "broken.jpg"))
     (tmp_path / "train" / "cat" / "garbage.png").write_bytes(b"not a png at all")
     ds = build_dataset(data_cfg(name="imagefolder", root=str(tmp_path), skip_corrupt=True), "train")
-    assert len(ds) == 6 and len(ds.skipped) == 2
+    assert len(ds) == 6 and len(ds.unreadable) == 2
     assert "skipped 2 unreadable image(s)" in capsys.readouterr().out
     assert all(ds[i][0].mode == "RGB" for i in range(len(ds)))
 

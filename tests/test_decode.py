@@ -79,8 +79,8 @@ def test_large_images_shrink_at_decode_keeping_a_256_px_short_side(tmp_path, mon
             assert min(sh, sw) >= 256
         assert bool(drafts) == (min(w, h) >= 512)            # reduced by libjpeg when it can
     assert source_side(OmegaConf.create({"img_size": 224})) == 512
-    with pytest.raises(UserError, match="source_side"):
-        source_side(OmegaConf.create({"img_size": 224, "source_side": 1}))
+    with pytest.raises(UserError, match="data.source_side"):  # its limit, before any work
+        load_config("dino", "resmlp_s12", ["data.source_side=1"])
 
 
 def test_unreadable_files_are_named(tmp_path):

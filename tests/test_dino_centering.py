@@ -153,6 +153,70 @@ def test_koleo_is_lightlys_on_the_students_pooled_global_features():
     assert stats["loss"] == pytest.approx(base["loss"] + 0.5 * want.item(), rel=1e-4)  # the weighted term is in
 
 
+KOLEO = [*TINY, "dino.koleo_weight=0.5", "dino.centering=sinkhorn"]
+
+
+def _koleo_step_on_rank(rank, port, out_dir):
+    """One step of the trainer's DINO step (DDP over gloo) on this process's half of the batch."""
+    import torch.distributed as dist
+
+    from resmlp.bench import rows as R
+    from resmlp.data.crop_plan import crop_plan
+    from resmlp.ssl.step import build_dino_step
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = load_config("dino", "resmlp_s12", KOLEO)
+        plan = crop_plan(cfg)
+        crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)  # the global batch
+        torch.manual_seed(0)
+        step = build_dino_step(cfg, plan, torch.device("cpu"), world_size=2)
+        step([c.chunk(2)[rank] for c in crops], 0.0, 0.04, 0.996, TEMP, 1)
+        grads = {n: p.grad.clone() for n, p in step.raw_student.named_parameters() if p.grad is not None}
+        torch.save({"stats": step.read(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_koleo_over_two_gloo_processes_is_per_process_as_in_dinov2(tmp_path):
+    """DINOv2 (and lightly) take KoLeo's nearest neighbours among each process's own images,
+    not the global batch: two processes on a batch give the DINO part of one process on it,
+    plus the mean of their two KoLeo terms, each over its half (DDP averages the gradients).
+    Checked on the gradients every rank applies and on the logged loss and KoLeo."""
+    from lightly.loss import KoLeoLoss
+
+    from resmlp.bench import rows as R
+    from resmlp.data.crop_plan import crop_plan
+    from resmlp.ssl.step import build_dino_step
+    mp.spawn(_koleo_step_on_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+
+    cfg = load_config("dino", "resmlp_s12", KOLEO)
+    plan = crop_plan(cfg)
+    crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)
+    torch.manual_seed(0)
+    one = build_dino_step(cfg, plan, torch.device("cpu"))
+    koleo = KoLeoLoss()
+
+    def per_process(features):  # rows view by view; each process holds one half of each view
+        return sum(torch.stack([koleo(half) for half in view.chunk(2)]).mean() for view in features.float().chunk(2))
+
+    one.loss_fn.koleo = per_process
+    one(crops, 0.0, 0.04, 0.996, TEMP, 1)
+    want = one.read()
+    for got in ranks:
+        assert got["stats"]["koleo"] == pytest.approx(want["koleo"], rel=1e-5)
+        assert got["stats"]["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grads"].keys() == {n for n, p in one.raw_student.named_parameters() if p.grad is not None}
+        for name, p in one.raw_student.named_parameters():
+            if p.grad is not None:
+                assert torch.allclose(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6), name
+    # and that is not KoLeo over the whole batch: the test tells the two apart
+    with torch.no_grad():
+        whole = sum(koleo(view) for view in one.raw_student.backbone(torch.cat(crops[:2])).chunk(2))
+    assert abs(whole.item() - want["koleo"]) > 1e-2
+
+
 @pytest.mark.parametrize("override,says", [("dino.centering=median", "dino.centering"),
                                            ("dino.koleo_weight=-0.1", "dino.koleo_weight")])
 def test_bad_centering_or_koleo_weight_is_one_line_exit_2(tmp_path, capsys, override, says):

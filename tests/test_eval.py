@@ -1,4 +1,4 @@
-"""Evaluation package: k-NN, feature cache, checkpoint loading, linear probe, figures."""
+"""Evaluation package (k-NN itself: test_knn.py): feature cache, checkpoint loading, linear probe, figures."""
 from __future__ import annotations
 
 import json
@@ -13,199 +13,11 @@ import torch
 from resmlp.core.errors import UserError
 from resmlp.models import load as ck
 from resmlp.eval import features as fe
-from resmlp.eval.knn import (check_ks, knn_classify, knn_evaluate, knn_search, resolve_backend,
-                             topk_correct)
+from resmlp.eval.knn_search import knn_search
 from resmlp.eval.linear import train_linear_on_features
-
-try:
-    import faiss  # noqa: F401
-    HAVE_FAISS = True
-except ImportError:
-    HAVE_FAISS = False
 
 FMNIST = "/usr/share/datasets/fashion-mnist"
 TINY = dict(img_size=32, patch_size=4, dim=32, depth=2)
-
-
-# --------------------------------------------------------------------------- k-NN
-
-def numpy_knn_scores(train, labels, test, num_classes, k, T):
-    """The DINO protocol written out plainly: cosine, top-k by (-sim, index), exp(sim/T) votes."""
-    tr = train / np.linalg.norm(train, axis=1, keepdims=True)
-    te = test / np.linalg.norm(test, axis=1, keepdims=True)
-    sims = te.astype(np.float64) @ tr.astype(np.float64).T
-    scores = np.zeros((len(te), num_classes))
-    for i, row in enumerate(sims):
-        order = np.lexsort((np.arange(len(row)), -row))[:k]
-        for j in order:
-            scores[i, labels[j]] += np.exp(row[j] / T)
-    return scores
-
-
-def random_features(n_train=400, n_test=60, dim=24, classes=6, seed=0):
-    g = np.random.default_rng(seed)
-    centers = g.standard_normal((classes, dim))
-    ytr = g.integers(0, classes, n_train)
-    yte = g.integers(0, classes, n_test)
-    xtr = (centers[ytr] + 1.5 * g.standard_normal((n_train, dim))).astype(np.float32)
-    xte = (centers[yte] + 1.5 * g.standard_normal((n_test, dim))).astype(np.float32)
-    return xtr, ytr, xte, yte
-
-
-@pytest.mark.parametrize("k,T", [(1, 0.07), (5, 0.07), (20, 0.5), (37, 0.02)])
-def test_knn_matches_numpy_reference(k, T):
-    xtr, ytr, xte, _ = random_features()
-    ref = numpy_knn_scores(xtr, ytr, xte, 6, k, T)
-    got = knn_classify(xtr, ytr, xte, 6, k=k, temperature=T, backend="torch")
-    assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == (60, 6)
-    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5)
-    assert (got.argmax(1).numpy() == ref.argmax(1)).all()
-
-
-def tie_features():
-    xtr, ytr, xte, _ = random_features(n_train=300, n_test=40, seed=1)
-    xtr[50:80] = xtr[7]               # 31 identical training features, mixed labels
-    xtr[200:203] = 2.0 * xtr[9]       # same direction, other norm: equal cosine
-    xte[:6] = xtr[7]                  # queries sitting exactly on the duplicates
-    xte[6:9] = xtr[9]
-    return xtr, ytr, xte
-
-
-@pytest.mark.skipif(not HAVE_FAISS, reason="faiss not installed")
-@pytest.mark.parametrize("k", [1, 10, 20, 45])
-def test_faiss_and_torch_backends_agree_with_ties(k):
-    xtr, ytr, xte = tie_features()
-    s_f, i_f = knn_search(xtr, xte, k, backend="faiss", device="cpu")
-    s_t, i_t = knn_search(xtr, xte, k, backend="torch", device="cpu")
-    assert torch.equal(i_f, i_t)
-    assert torch.allclose(s_f, s_t, atol=1e-12)
-    # ties go to the lower train index: the duplicates come out in index order
-    first = i_t[0].tolist()
-    dup = [7] + list(range(50, 80))
-    assert first == dup[:k] if k <= len(dup) else first[:len(dup)] == dup
-    a = knn_classify(xtr, ytr, xte, 6, k=k, backend="faiss", device="cpu")
-    b = knn_classify(xtr, ytr, xte, 6, k=k, backend="torch", device="cpu")
-    assert torch.equal(a.argmax(1), b.argmax(1))
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
-    ref = numpy_knn_scores(xtr, ytr, xte, 6, k, 0.07)
-    np.testing.assert_allclose(b.numpy(), ref, rtol=1e-5)
-
-
-def numpy_neighbours(train, test, k):
-    """The k nearest by float64 cosine of the raw features, ties to the lower index."""
-    tr = train.astype(np.float64) / np.linalg.norm(train.astype(np.float64), axis=1, keepdims=True)
-    te = test.astype(np.float64) / np.linalg.norm(test.astype(np.float64), axis=1, keepdims=True)
-    sims = te @ tr.T
-    return np.stack([np.lexsort((np.arange(len(row)), -row))[:k] for row in sims])
-
-
-@pytest.mark.parametrize("block", [7, 64])
-def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, block):
-    """The GPU's candidate pass: a bf16 matmul, rows reduced to block maxima before the
-    top-k, run here on the CPU (block 7: pruning on, with a ragged last block; 64: off at
-    this size). Same neighbours as the float64 brute force and the float32 pass, same
-    predictions; queries that fail the rounding check are searched again; with the bound
-    ignored the answer would be wrong."""
-    from resmlp.eval import knn as K
-    g = torch.Generator().manual_seed(3)
-    centers = torch.randn(30, 48, generator=g)
-    xtr = centers[torch.randint(0, 30, (3001,), generator=g)] + 0.15 * torch.randn(3001, 48, generator=g)
-    xte = centers[torch.randint(0, 30, (200,), generator=g)] + 0.15 * torch.randn(200, 48, generator=g)
-    ytr = torch.randint(0, 30, (3001,), generator=g)
-    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
-    assert (want_i.numpy() == numpy_neighbours(xtr.numpy(), xte.numpy(), 20)).all()
-    want_scores = knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu")
-
-    monkeypatch.setitem(K._TorchSearch.DTYPES, "cpu", torch.bfloat16)
-    monkeypatch.setattr(K._TorchSearch, "BLOCK", block)
-    calls = []
-    real = K._TorchSearch.__call__
-    monkeypatch.setattr(K._TorchSearch, "__call__", lambda self, q, k: calls.append(k) or real(self, q, k))
-    got_s, got_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
-    assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
-    assert len(set(calls)) > 1  # some queries needed a wider second search
-    assert torch.equal(knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu"), want_scores)
-    monkeypatch.setattr(K._TorchSearch, "tolerance", lambda self, d: 0.0)
-    assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
-
-
-@pytest.mark.cuda
-def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
-    """On the GPU (bf16 pass, block maxima, float64 re-rank there) the same neighbours and
-    similarities as the CPU's float32 pass, from CPU and from GPU tensors alike."""
-    from resmlp.eval import knn as K
-    monkeypatch.setattr(K._TorchSearch, "BLOCK", 7)
-    xtr, _, xte = tie_features()
-    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
-    for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
-        got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
-        assert torch.equal(got_i, want_i)
-        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
-
-
-def test_top_candidates_through_block_maxima_is_topk():
-    from resmlp.eval.knn import _top_candidates
-    g = torch.Generator().manual_seed(0)
-    sims = torch.randn(40, 1003, generator=g).bfloat16()   # bf16: many ties
-    sims[3, 500:540] = 9.0                                  # one block holds the whole top
-    for k, block in ((5, 7), (20, 16), (30, 64), (40, 1)):
-        v, i = _top_candidates(sims, k, block)
-        assert torch.equal(v, sims.topk(k, dim=1).values)
-        assert torch.equal(sims.gather(1, i), v) and (i.sort(1).values.diff(1) > 0).all()
-
-
-def test_chunking_does_not_change_results():
-    xtr, ytr, xte = tie_features()
-    whole = knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=10_000)
-    for chunk in (1, 7):
-        assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=chunk), whole)
-    if HAVE_FAISS:
-        assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=20, backend="faiss", chunk_size=3), whole)
-
-
-def test_knn_evaluate_hand_made():
-    # unit vectors at angles (degrees); the test points at 5, 95 and 15 sit exactly between
-    # two training points: with k=1 the lower train index wins the tie
-    deg = np.radians
-    train = np.array([[np.cos(deg(a)), np.sin(deg(a))] for a in (0, 10, 20, 90, 100, 180)], np.float32)
-    ytr = np.array([0, 0, 1, 1, 1, 2])
-    test = np.array([[np.cos(deg(a)), np.sin(deg(a))] for a in (5, 95, 170, 15)], np.float32)
-    yte = np.array([0, 1, 2, 1])
-    res = knn_evaluate(train, ytr, test, yte, 3, ks=(1, 3), temperature=0.07)
-    assert set(res) == {1, 3}
-    for k in (1, 3):
-        assert res[k]["top1"] == pytest.approx(75.0)
-        assert res[k]["top5"] == pytest.approx(100.0)   # top-min(5, 3 classes)
-    scores = torch.tensor([[0.1, 0.5, 0.2, 0.0, 0.0, 0.0, 0.9], [0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
-    r = topk_correct(scores, torch.tensor([1, 6]))
-    assert r["top1"] == 0.0 and r["top5"] == 50.0   # ties in the 2nd row go to low classes
-
-
-def test_numpy_and_torch_inputs_agree():
-    xtr, ytr, xte, yte = random_features()
-    a = knn_evaluate(xtr, ytr, xte, yte, 6, ks=(5, 10))
-    b = knn_evaluate(torch.from_numpy(xtr).double(), torch.from_numpy(ytr), torch.from_numpy(xte),
-                     list(yte), 6, ks=[10, 5])
-    assert a == b
-    assert isinstance(knn_classify(torch.from_numpy(xtr), ytr, xte, 6, k=3), torch.Tensor)
-
-
-def test_bad_knn_input_raises_user_error():
-    xtr, ytr, xte, yte = random_features(n_train=30)
-    for k in (0, -3, 31, "abc", 2.5):
-        with pytest.raises(UserError):
-            knn_evaluate(xtr, ytr, xte, yte, 6, ks=[k])
-    for T in (0, -0.1, "x"):
-        with pytest.raises(UserError):
-            knn_classify(xtr, ytr, xte, 6, k=5, temperature=T)
-    with pytest.raises(UserError):
-        knn_classify(xtr[:0], ytr[:0], xte, 6, k=1)
-    with pytest.raises(UserError):
-        knn_classify(xtr, ytr, xte, 6, k=1, backend="annoy")
-    with pytest.raises(UserError):
-        knn_classify(xtr, ytr + 10, xte, 6, k=1)     # labels outside num_classes
-    assert check_ks("10,20", 100) == [10, 20] and check_ks(20, 100) == [20]
-    assert resolve_backend("torch", "cpu")[0] == "torch"
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -502,6 +314,60 @@ def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, caps
     assert err.count("error:") == 5 and "k=601 is larger than the train set" in err
 
 
+def test_few_label_knn_and_linear_commands(mini_fmnist, run_dir, tmp_path, capsys):
+    """knn.n_per_class / linear.n_per_class on the cached features: the tables and the
+    JSON hold mean and std per n (and k); a clipped k is said once; refused before work
+    where the mode cannot take them."""
+    common = [f"data.root={mini_fmnist}", "num_workers=0", "device=cpu", f"features.cache_dir={tmp_path}/cache"]
+    assert cli("knn", run_dir, *common, "k=5,20", "knn.n_per_class=[1,5]", "knn.tries=3", f"out={tmp_path}/k") == 0
+    out = capsys.readouterr().out
+    assert "k-NN with few labels" in out and "±" in out
+    assert out.count("n=1: k=20 clipped to the bank's 10 images") == 1     # once, not once per try
+    knn = json.loads((tmp_path / "k" / "knn.json").read_text())
+    assert set(knn["results"]) == {"5", "20"}                              # the whole bank, as without the keys
+    few = knn["low_shot"]
+    assert few["n_per_class"] == [1, 5] and few["tries"] == 3 and few["results"]["5"]["bank"] == 50
+    cell = few["results"]["1"]["k"]["20"]
+    assert cell["k_used"] == 10 and len(cell["tries"]) == 3 and {"top1", "top1_std", "top5", "top5_std"} <= set(cell)
+    assert 0 <= cell["top1"] <= 100 and cell["top1_std"] >= 0
+
+    assert cli("linear", run_dir, *common, "linear.epochs=2", "linear.lrs=[0.01,0.1]", "linear.n_per_class=[2]",
+               "linear.tries=2", f"out={tmp_path}/l") == 0
+    out = capsys.readouterr().out
+    assert "features: loaded from cache" in out and "linear probe with few labels" in out
+    lin = json.loads((tmp_path / "l" / "linear.json").read_text())["low_shot"]
+    r = lin["results"]["2"]
+    assert r["bank"] == 20 and r["batch_size"] == 20 and len(r["tries"]) == 2 and {"top1_std", "top5_std"} <= set(r)
+    assert all(t["lr"] in (0.01, 0.1) for t in r["tries"])
+
+    for bad in (["linear.mode=augmented", "linear.n_per_class=[2]"], ["linear.n_per_class=[0]"],
+                ["linear.tries=0"], ["linear.n_per_class=[1.5]"]):
+        assert cli("linear", run_dir, *common, *bad, f"out={tmp_path}/bad") == 2, bad
+    for bad in (["knn.n_per_class=[0,5]"], ["knn.tries=0"], ["knn.n_per_class=abc"], ["T=1e-320"]):
+        assert cli("knn", run_dir, *common, *bad, f"out={tmp_path}/bad") == 2, bad
+    err = capsys.readouterr().err
+    assert err.count("error:") == 8 and "use linear.mode=cached" in err and not (tmp_path / "bad").exists()
+
+
+def test_knn_refuses_val_classes_unlike_train_before_extracting(tmp_path, capsys):
+    """An image folder whose val/ lacks a class of train/ (or has another): one line, exit
+    2, before any feature is extracted or cached."""
+    from resmlp.bench.rows import make_jpeg_folder
+    make_jpeg_folder(str(tmp_path / "data"), 12, 32, 40, classes=3)
+    os.rename(tmp_path / "data" / "val" / "c02", tmp_path / "data" / "val" / "other")
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(dino_checkpoint(tiny_model()), run / "checkpoint.pth")
+    common = ["data=imagefolder", f"data.root={tmp_path / 'data'}", "data.img_size=32", "num_workers=0",
+              "device=cpu", f"features.cache_dir={tmp_path}/cache"]
+    assert cli("knn", run, *common) == 2
+    assert cli("linear", run, *common) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 2 and "Traceback" not in err
+    assert "extra class folders ['other'] not in train/; missing class folders ['c02']" in err
+    assert not (tmp_path / "cache").exists() and not (run / "features").exists()
+
+
 def test_viz_figures(run_dir, tmp_path):
     assert cli("viz", run_dir, "viz.figures=[cross_patch,sparsity,curves]") == 0
     out = run_dir / "viz"
@@ -552,36 +418,6 @@ def test_online_knn_keeps_the_eval_images_between_calls(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- feature figures
-
-def test_neighbours_come_from_the_evaluators_search(monkeypatch):
-    from resmlp.eval import knn
-    from resmlp.eval.neighbours import neighbours, pick_queries
-    xtr, ytr, xte, yte = random_features()
-    queries = pick_queries(yte, 8, seed=3)
-    assert queries == pick_queries(yte, 8, seed=3) != pick_queries(yte, 8, seed=4)
-    assert len(set(queries)) == 8 and sorted(set(yte[queries].tolist())) == list(range(6))   # every class
-    assert [yte[q] for q in queries] == sorted(yte[q] for q in queries)                    # rows by class
-    assert set(pick_queries(yte, 4, seed=3)) <= set(queries)    # the patch map's images are queries too
-    assert len(set(pick_queries(-np.ones(50, dtype=int), 8, seed=0))) == 8    # no labels: random
-
-    calls = []
-    real = knn.knn_search
-    monkeypatch.setattr(knn, "knn_search", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    nb = neighbours(xtr, ytr, xte, yte, queries, k=7, backend="torch")
-    assert calls == [7]                                  # through the evaluator's own search
-    sims, idx = real(xtr, xte, 7, backend="torch")       # what knn_evaluate votes with, all queries
-    assert nb["indices"] == idx[queries].tolist()
-    np.testing.assert_allclose(nb["similarities"], sims[queries].numpy(), atol=1e-6)
-    assert nb["labels"] == ytr[idx[queries].numpy()].tolist()
-    assert nb["match_rate"] == pytest.approx(np.mean(ytr[idx[queries].numpy()] == yte[queries, None]))
-    # the same rows give knn_classify's votes for those queries
-    votes = torch.zeros(8, 6, dtype=torch.float64).scatter_add_(
-        1, torch.tensor(nb["labels"]), (torch.tensor(nb["similarities"], dtype=torch.float64) / 0.07).exp())
-    full = knn_classify(xtr, ytr, xte, 6, k=7, temperature=0.07, backend="torch")
-    torch.testing.assert_close(votes.float(), full[queries], rtol=1e-5, atol=0)
-    with pytest.raises(UserError, match="query indices"):
-        neighbours(xtr, ytr, xte, yte, [60], k=3)
-
 
 def test_patch_pca_has_the_grid_and_orthonormal_components():
     from resmlp.eval.patch_pca import patch_pca, patch_tokens

@@ -1,0 +1,524 @@
+"""k-NN: the exact search (eval/knn_search.py), its memory bound, the vote at any temperature,
+and few-label banks (eval/knn.py, eval/low_shot.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from resmlp.core.errors import UserError
+from resmlp.eval import knn_search as S
+from resmlp.eval.knn import knn_classify, knn_evaluate, topk_correct
+from resmlp.eval.knn_search import check_ks, knn_search, resolve_backend
+
+try:
+    import faiss  # noqa: F401
+    HAVE_FAISS = True
+except ImportError:
+    HAVE_FAISS = False
+
+
+# --------------------------------------------------------------------------- k-NN
+
+def numpy_knn_scores(train, labels, test, num_classes, k, T):
+    """The DINO protocol written out plainly: cosine, top-k by (-sim, index), exp(sim/T) votes
+    (at temperatures where exp does not overflow; knn_classify returns their log)."""
+    tr = train / np.linalg.norm(train, axis=1, keepdims=True)
+    te = test / np.linalg.norm(test, axis=1, keepdims=True)
+    sims = te.astype(np.float64) @ tr.astype(np.float64).T
+    scores = np.zeros((len(te), num_classes))
+    for i, row in enumerate(sims):
+        order = np.lexsort((np.arange(len(row)), -row))[:k]
+        for j in order:
+            scores[i, labels[j]] += np.exp(row[j] / T)
+    return scores
+
+
+def random_features(n_train=400, n_test=60, dim=24, classes=6, seed=0):
+    g = np.random.default_rng(seed)
+    centers = g.standard_normal((classes, dim))
+    ytr = g.integers(0, classes, n_train)
+    yte = g.integers(0, classes, n_test)
+    xtr = (centers[ytr] + 1.5 * g.standard_normal((n_train, dim))).astype(np.float32)
+    xte = (centers[yte] + 1.5 * g.standard_normal((n_test, dim))).astype(np.float32)
+    return xtr, ytr, xte, yte
+
+
+@pytest.mark.parametrize("k,T", [(1, 0.07), (5, 0.07), (20, 0.5), (37, 0.02)])
+def test_knn_matches_numpy_reference(k, T):
+    xtr, ytr, xte, _ = random_features()
+    ref = numpy_knn_scores(xtr, ytr, xte, 6, k, T)
+    got = knn_classify(xtr, ytr, xte, 6, k=k, temperature=T, backend="torch")
+    assert got.dtype == torch.float64 and got.device.type == "cpu" and got.shape == (60, 6)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(got.numpy(), np.log(ref), rtol=1e-6)   # -inf where no vote
+    assert (got.argmax(1).numpy() == ref.argmax(1)).all()
+
+
+def tie_features():
+    xtr, ytr, xte, _ = random_features(n_train=300, n_test=40, seed=1)
+    xtr[50:80] = xtr[7]               # 31 identical training features, mixed labels
+    xtr[200:203] = 2.0 * xtr[9]       # same direction, other norm: equal cosine
+    xte[:6] = xtr[7]                  # queries sitting exactly on the duplicates
+    xte[6:9] = xtr[9]
+    return xtr, ytr, xte
+
+
+@pytest.mark.skipif(not HAVE_FAISS, reason="faiss not installed")
+@pytest.mark.parametrize("k", [1, 10, 20, 45])
+def test_faiss_and_torch_backends_agree_with_ties(k):
+    xtr, ytr, xte = tie_features()
+    s_f, i_f = knn_search(xtr, xte, k, backend="faiss", device="cpu")
+    s_t, i_t = knn_search(xtr, xte, k, backend="torch", device="cpu")
+    assert torch.equal(i_f, i_t)
+    assert torch.allclose(s_f, s_t, atol=1e-12)
+    # ties go to the lower train index: the duplicates come out in index order
+    first = i_t[0].tolist()
+    dup = [7] + list(range(50, 80))
+    assert first == dup[:k] if k <= len(dup) else first[:len(dup)] == dup
+    a = knn_classify(xtr, ytr, xte, 6, k=k, backend="faiss", device="cpu")
+    b = knn_classify(xtr, ytr, xte, 6, k=k, backend="torch", device="cpu")
+    assert torch.equal(a.argmax(1), b.argmax(1))
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    ref = numpy_knn_scores(xtr, ytr, xte, 6, k, 0.07)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(b.numpy(), np.log(ref), rtol=1e-6)
+
+
+def numpy_neighbours(train, test, k):
+    """The k nearest by float64 cosine of the raw features, ties to the lower index."""
+    tr = train.astype(np.float64) / np.linalg.norm(train.astype(np.float64), axis=1, keepdims=True)
+    te = test.astype(np.float64) / np.linalg.norm(test.astype(np.float64), axis=1, keepdims=True)
+    sims = te @ tr.T
+    return np.stack([np.lexsort((np.arange(len(row)), -row))[:k] for row in sims])
+
+
+@pytest.mark.parametrize("block", [7, 64])
+def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, block):
+    """The GPU's candidate pass: a bf16 matmul, rows reduced to block maxima before the
+    top-k, run here on the CPU (block 7: pruning on, with a ragged last block; 64: off at
+    this size). Same neighbours as the float64 brute force and the float32 pass, same
+    predictions; queries that fail the rounding check are searched again; with the bound
+    ignored the answer would be wrong."""
+    g = torch.Generator().manual_seed(3)
+    centers = torch.randn(30, 48, generator=g)
+    xtr = centers[torch.randint(0, 30, (3001,), generator=g)] + 0.15 * torch.randn(3001, 48, generator=g)
+    xte = centers[torch.randint(0, 30, (200,), generator=g)] + 0.15 * torch.randn(200, 48, generator=g)
+    ytr = torch.randint(0, 30, (3001,), generator=g)
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    assert (want_i.numpy() == numpy_neighbours(xtr.numpy(), xte.numpy(), 20)).all()
+    want_scores = knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu")
+
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.bfloat16)
+    monkeypatch.setattr(S._TorchSearch, "BLOCK", block)
+    calls = []
+    real = S._TorchSearch.__call__
+    monkeypatch.setattr(S._TorchSearch, "__call__", lambda self, q, k: calls.append(k) or real(self, q, k))
+    got_s, got_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
+    assert len(set(calls)) > 1  # some queries needed a wider second search
+    assert torch.equal(knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu"), want_scores)
+    monkeypatch.setattr(S._TorchSearch, "tolerance", lambda self, d: 0.0)
+    assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
+
+
+@pytest.mark.cuda
+def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
+    """On the GPU (bf16 pass, block maxima, float64 re-rank there) the same neighbours and
+    similarities as the CPU's float32 pass, from CPU and from GPU tensors alike."""
+    monkeypatch.setattr(S._TorchSearch, "BLOCK", 7)
+    xtr, _, xte = tie_features()
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
+        got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
+        assert torch.equal(got_i, want_i)
+        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+
+
+def test_top_candidates_through_block_maxima_is_topk():
+    g = torch.Generator().manual_seed(0)
+    sims = torch.randn(40, 1003, generator=g).bfloat16()   # bf16: many ties
+    sims[3, 500:540] = 9.0                                  # one block holds the whole top
+    for k, block in ((5, 7), (20, 16), (30, 64), (40, 1)):
+        v, i = S._top_candidates(sims, k, block)
+        assert torch.equal(v, sims.topk(k, dim=1).values)
+        assert torch.equal(sims.gather(1, i), v) and (i.sort(1).values.diff(1) > 0).all()
+
+
+def test_chunking_does_not_change_results():
+    xtr, ytr, xte = tie_features()
+    whole = knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=10_000)
+    for chunk in (1, 7):
+        assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=20, backend="torch", chunk_size=chunk), whole)
+    if HAVE_FAISS:
+        assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=20, backend="faiss", chunk_size=3), whole)
+
+
+def test_knn_evaluate_hand_made():
+    # unit vectors at angles (degrees); the test points at 5, 95 and 15 sit exactly between
+    # two training points: with k=1 the lower train index wins the tie
+    deg = np.radians
+    train = np.array([[np.cos(deg(a)), np.sin(deg(a))] for a in (0, 10, 20, 90, 100, 180)], np.float32)
+    ytr = np.array([0, 0, 1, 1, 1, 2])
+    test = np.array([[np.cos(deg(a)), np.sin(deg(a))] for a in (5, 95, 170, 15)], np.float32)
+    yte = np.array([0, 1, 2, 1])
+    res = knn_evaluate(train, ytr, test, yte, 3, ks=(1, 3), temperature=0.07)
+    assert set(res) == {1, 3}
+    for k in (1, 3):
+        assert res[k]["top1"] == pytest.approx(75.0)
+        assert res[k]["top5"] == pytest.approx(100.0)   # top-min(5, 3 classes)
+    scores = torch.tensor([[0.1, 0.5, 0.2, 0.0, 0.0, 0.0, 0.9], [0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    r = topk_correct(scores, torch.tensor([1, 6]))
+    assert r["top1"] == 0.0 and r["top5"] == 50.0   # ties in the 2nd row go to low classes
+
+
+def test_numpy_and_torch_inputs_agree():
+    xtr, ytr, xte, yte = random_features()
+    a = knn_evaluate(xtr, ytr, xte, yte, 6, ks=(5, 10))
+    b = knn_evaluate(torch.from_numpy(xtr).double(), torch.from_numpy(ytr), torch.from_numpy(xte),
+                     list(yte), 6, ks=[10, 5])
+    assert a == b
+    assert isinstance(knn_classify(torch.from_numpy(xtr), ytr, xte, 6, k=3), torch.Tensor)
+
+
+def log_vote_reference(train, labels, test, num_classes, k, T):
+    """The log of each class's vote, written out plainly in float64: the k nearest by
+    float64 cosine (ties to the lower index), then per class numpy's logaddexp over the
+    neighbours' sim / T (-inf where none votes)."""
+    idx = numpy_neighbours(train, test, k)
+    tr = train.astype(np.float64) / np.linalg.norm(train.astype(np.float64), axis=1, keepdims=True)
+    te = test.astype(np.float64) / np.linalg.norm(test.astype(np.float64), axis=1, keepdims=True)
+    out = np.full((len(test), num_classes), -np.inf)
+    for i, row in enumerate(idx):
+        for c in range(num_classes):
+            terms = [te[i] @ tr[j] / T for j in row if labels[j] == c]
+            if terms:
+                out[i, c] = np.logaddexp.reduce(terms)
+    return out
+
+
+@pytest.mark.parametrize("T", [1e-5, 1e-3, 1e-300])
+def test_the_vote_is_exact_at_tiny_temperatures(T):
+    """exp(sim / T) overflows float64 once sim / T > 709 (T = 1e-3 already, with sims near 1),
+    and a vote of inf for several classes ranks them all alike: the vote must rank the
+    classes as the log-sum-exp of sim / T does, at any T the limit admits."""
+    xtr, ytr, xte, yte = random_features(n_train=400, n_test=60, dim=24, classes=6, seed=2)
+    ref = log_vote_reference(xtr, ytr, xte, 6, 20, T)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.exp(ref[np.isfinite(ref)])).any()     # the plain vote would overflow
+    got = knn_classify(xtr, ytr, xte, 6, k=20, temperature=T, backend="torch")
+    assert not got.isnan().any()
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-12)
+    want_order = np.argsort(-ref, axis=1, kind="stable")            # equal scores: the lower class
+    assert (got.sort(dim=1, descending=True, stable=True).indices.numpy() == want_order).all()
+    res = knn_evaluate(xtr, ytr, xte, yte, 6, ks=[20], temperature=T)[20]
+    assert res["top1"] == pytest.approx(100 * np.mean(want_order[:, 0] == yte))
+    assert res["top5"] == pytest.approx(100 * np.mean((want_order[:, :5] == yte[:, None]).any(1)))
+    assert res["top1"] > 50    # 6 classes: chance is 17%
+
+
+def test_bad_knn_input_raises_user_error():
+    xtr, ytr, xte, yte = random_features(n_train=30)
+    for k in (0, -3, 31, "abc", 2.5):
+        with pytest.raises(UserError):
+            knn_evaluate(xtr, ytr, xte, yte, 6, ks=[k])
+    for T in (0, -0.1, "x"):
+        with pytest.raises(UserError):
+            knn_classify(xtr, ytr, xte, 6, k=5, temperature=T)
+    with pytest.raises(UserError):
+        knn_classify(xtr[:0], ytr[:0], xte, 6, k=1)
+    with pytest.raises(UserError):
+        knn_classify(xtr, ytr, xte, 6, k=1, backend="annoy")
+    with pytest.raises(UserError):
+        knn_classify(xtr, ytr + 10, xte, 6, k=1)     # labels outside num_classes
+    assert check_ks("10,20", 100) == [10, 20] and check_ks(20, 100) == [20]
+    assert resolve_backend("torch", "cpu")[0] == "torch"
+
+
+
+def test_neighbours_come_from_the_evaluators_search(monkeypatch):
+    from resmlp.eval.neighbours import neighbours, pick_queries
+    xtr, ytr, xte, yte = random_features()
+    queries = pick_queries(yte, 8, seed=3)
+    assert queries == pick_queries(yte, 8, seed=3) != pick_queries(yte, 8, seed=4)
+    assert len(set(queries)) == 8 and sorted(set(yte[queries].tolist())) == list(range(6))   # every class
+    assert [yte[q] for q in queries] == sorted(yte[q] for q in queries)                    # rows by class
+    assert set(pick_queries(yte, 4, seed=3)) <= set(queries)    # the patch map's images are queries too
+    assert len(set(pick_queries(-np.ones(50, dtype=int), 8, seed=0))) == 8    # no labels: random
+
+    calls = []
+    real = S.knn_search
+    monkeypatch.setattr(S, "knn_search", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    nb = neighbours(xtr, ytr, xte, yte, queries, k=7, backend="torch")
+    assert calls == [7]                                  # through the evaluator's own search
+    sims, idx = real(xtr, xte, 7, backend="torch")       # what knn_evaluate votes with, all queries
+    assert nb["indices"] == idx[queries].tolist()
+    np.testing.assert_allclose(nb["similarities"], sims[queries].numpy(), atol=1e-6)
+    assert nb["labels"] == ytr[idx[queries].numpy()].tolist()
+    assert nb["match_rate"] == pytest.approx(np.mean(ytr[idx[queries].numpy()] == yte[queries, None]))
+    # the same rows give knn_classify's votes (their log) for those queries
+    votes = torch.zeros(8, 6, dtype=torch.float64).scatter_add_(
+        1, torch.tensor(nb["labels"]), (torch.tensor(nb["similarities"], dtype=torch.float64) / 0.07).exp())
+    full = knn_classify(xtr, ytr, xte, 6, k=7, temperature=0.07, backend="torch")
+    torch.testing.assert_close(votes.log(), full[queries], rtol=1e-6, atol=0)
+    with pytest.raises(UserError, match="query indices"):
+        neighbours(xtr, ytr, xte, yte, [60], k=3)
+
+
+
+
+# --------------------------------------------------------------------------- memory
+
+def collapsed_features(n, m, d, seed=0):
+    """Features all within a hair of one direction v, as a collapsed network gives: train
+    rows at 50 levels v + a u (a few thousand exact duplicates each), queries between the
+    levels. Every similarity lies within 1e-6 of the others, inside any candidate pass's
+    rounding bound (so the search widens to the whole train set), yet the float64
+    similarities of different levels stay far apart (a strict order to check against)."""
+    g = np.random.default_rng(seed)
+    v, u = np.zeros(d), np.zeros(d)
+    v[0], u[1] = 1.0, 1.0
+    v = v + 0.1 * g.standard_normal(d)
+    v /= np.linalg.norm(v)
+    u -= (u @ v) * v
+    u /= np.linalg.norm(u)
+    train = (v + 2e-5 * g.integers(0, 50, n)[:, None] * u).astype(np.float32)
+    test = (v + (g.integers(0, 50, m) + 0.3)[:, None] * 2e-5 * u).astype(np.float32)
+    return train, test
+
+
+def plain_neighbours(train, test, k):
+    """(indices, similarities) of the k nearest by float64 cosine, one query at a time,
+    ties to the lower index."""
+    tr = train.astype(np.float64)
+    tr /= np.linalg.norm(tr, axis=1, keepdims=True)
+    idx, out = [], []
+    for q in test.astype(np.float64):
+        sims = (tr * (q / np.linalg.norm(q))).sum(1)
+        idx.append(np.lexsort((np.arange(len(sims)), -sims))[:k])
+        out.append(sims[idx[-1]])
+    return np.stack(idx), np.stack(out)
+
+
+# Runs in a fresh process, so that its peak resident memory (VmHWM, reset through
+# /proc/self/clear_refs) is the search's own and not what earlier tests left behind.
+MEMORY_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    import numpy as np
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from test_knn import collapsed_features
+    from resmlp.eval import knn_search as S
+
+    def kb(field):
+        return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+
+    n, m, d, k, budget = (int(v) for v in sys.argv[2:7])
+    torch.set_num_threads(1)          # a busy shared machine: one thread is faster and steadier
+    train, test = (torch.from_numpy(x) for x in collapsed_features(n, m, d))
+    calls, tiles = [], []
+    exact = S._exact_similarities
+    S._exact_similarities = lambda q, qi, tr, ti, idx: tiles.append(list(idx.shape)) or exact(q, qi, tr, ti, idx)
+    for cls in (S._TorchSearch, S._FaissSearch):
+        def call(self, q, kc, real=cls.__call__):
+            calls.append([q.shape[0], kc])
+            return real(self, q, kc)
+        cls.__call__ = call
+    out = {}
+    for backend in sys.argv[7].split(","):
+        S.knn_search(train[:100], test[:2], 5, backend=backend, device="cpu")   # imports, libraries
+        calls.clear(), tiles.clear()
+        before = kb("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS
+        sims, idx = S.knn_search(train, test, k, backend=backend, device="cpu", budget=budget)
+        out[backend] = {"peak": 1024 * (kb("VmHWM") - before), "calls": list(calls), "tiles": list(tiles),
+                        "idx": idx.tolist(), "sims": sims.tolist()}
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_a_collapsed_network_stays_within_the_memory_budget():
+    """n = 60k collapsed features (every query's candidates widen to the whole train set)
+    searched with a 2 MiB budget: the chunks are the ones the plan gives, the neighbours
+    the plain float64 ones, and the peak memory the index's copy of the features plus a
+    few budgets; the float64 re-rank of whole candidate rows at once would need m x n x d x
+    16 bytes (700 MB here, 40 GB at 10k queries of dim 384)."""
+    n, m, d, k, budget = 60_000, 24, 32, 1500, 2 * 2**20
+    backends = ["torch"] + (["faiss"] if HAVE_FAISS else [])
+    run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, os.path.dirname(__file__), str(n), str(m), str(d),
+                          str(k), str(budget), ",".join(backends)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads(run.stdout)
+    train, test = collapsed_features(n, m, d)
+    want, sims = plain_neighbours(train, test, k)
+    assert (sims.max(1) - sims.min(1) < 1e-6).all()                        # collapsed: all alike,
+    assert all(len(np.unique(row)) > 1 for row in sims) and (np.diff(want, axis=1) < 0).any()  # yet ordered
+    assert S.rerank_tile(m, n, d, budget) == (1, 2520)        # whole-set re-rank: 2520 candidates at a time
+    for backend, r in res.items():
+        assert (np.array(r["idx"]) == want).all(), backend
+        np.testing.assert_allclose(r["sims"], sims, rtol=0, atol=1e-15)
+        searched = [kc for _, kc in r["calls"]]
+        assert max(searched) < n and 4 * max(searched) >= n, backend   # widened until the whole set was next
+        for rows, kc in r["calls"]:
+            assert rows == 1 or rows * kc * S._CAND_BYTES <= budget, (backend, rows, kc)
+        for rows, cols in r["tiles"]:
+            assert rows * cols * S.pair_bytes(d) <= budget, (backend, rows, cols)
+        assert [1, 2520] in r["tiles"], backend
+        data = n * d * 4 + n * 8      # the search's unit-vector copy and the float64 inverse norms
+        assert r["peak"] <= data + 6 * budget, (backend, r["peak"] / 2**20)
+
+
+def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, budget: int = 32 * 2**20) -> dict:
+    """The GPU test's body, on `device`: clustered features at n x d through the candidate
+    pass's block maxima, and collapsed ones within `budget`, both against the CPU's
+    float32 pass. Returns the peak device memory of the collapsed search where measured."""
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(100, d, generator=g)
+    xtr = centers[torch.randint(0, 100, (n,), generator=g)] + 0.5 * torch.randn(n, d, generator=g)
+    xte = centers[torch.randint(0, 100, (256,), generator=g)] + 0.5 * torch.randn(256, d, generator=g)
+    seen = []
+    real = S._top_candidates
+    monkeypatch.setattr(S, "_top_candidates", lambda sims, k, block: seen.append(
+        (sims.shape[1] // block, k, sims.device.type)) or real(sims, k, block))
+    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+    seen.clear()
+    got_s, got_i = knn_search(xtr.to(device), xte.to(device), 20, backend="torch", device=device)
+    assert any(blocks > k and where == torch.device(device).type for blocks, k, where in seen)  # block maxima
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+
+    tr, te = (torch.from_numpy(x) for x in collapsed_features(n, 64, d))
+    want_s, want_i = knn_search(tr, te, 20, backend="torch", device="cpu", budget=budget)
+    tr, te = tr.to(device), te.to(device)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    got_s, got_i = knn_search(tr, te, 20, backend="torch", device=device, budget=budget)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+    return {"peak": torch.cuda.max_memory_allocated() - base} if cuda else {}
+
+
+@pytest.mark.cuda
+def test_the_gpu_search_at_scale_uses_block_maxima_and_stays_within_budget(monkeypatch):
+    """60k x 384 on the GPU: the bf16 candidate pass reduces rows to block maxima (937
+    blocks > 100 candidates) and gives the CPU's neighbours; collapsed features (every
+    query widened to the whole train set) within a 32 MiB budget: the CPU's neighbours, and
+    a peak (the allocator's own count) of the unit vectors made once (float32, then bf16),
+    the inverse norms and a few budgets."""
+    n, d, budget = 60_000, 384, 32 * 2**20
+    peak = gpu_scale_check(monkeypatch, "cuda", n, d, budget)["peak"]
+    assert peak <= n * d * (4 + 2) + n * 8 + 6 * budget, peak / 2**20
+
+
+def test_the_gpu_scale_check_runs_on_the_cpu(monkeypatch):
+    """The CUDA test's body at a size the CPU takes (its own check of the test), one
+    thread: the tiles are small, and a busy machine's thread handoffs would cost more."""
+    from resmlp.bench.timing import threads
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.bfloat16)
+    with threads(1):
+        gpu_scale_check(monkeypatch, "cpu", n=12_000, d=48, budget=2**20)
+
+
+# --------------------------------------------------------------------------- few labels
+
+def test_low_shot_picks_are_class_balanced_seeded_and_differ_between_tries():
+    from resmlp.eval import low_shot
+    labels = torch.tensor([c for c, count in enumerate([30, 31, 29, 30, 40, 3]) for _ in range(count)])
+    labels = labels[torch.randperm(labels.numel(), generator=torch.Generator().manual_seed(0))]
+    five = low_shot.picks(labels, 5, tries=4, seed=0)
+    for pick in five:
+        assert torch.equal(pick, pick.unique())                                   # sorted, no repeats
+        assert torch.bincount(labels[pick], minlength=6).tolist() == [5, 5, 5, 5, 5, 3]   # the short class: all 3
+    assert all(torch.equal(a, b) for a, b in zip(five, low_shot.picks(labels, 5, tries=4, seed=0)))   # seeded
+    assert len({tuple(p.tolist()) for p in five}) == 4                             # a new pick every try
+    assert not any(torch.equal(a, b) for a, b in zip(five, low_shot.picks(labels, 5, tries=4, seed=1)))
+    for small, large in zip(low_shot.picks(labels, 2, tries=4, seed=0), five):    # nested over n
+        assert set(small.tolist()) <= set(large.tolist())
+    note = low_shot.short_classes(labels, 5, ["a", "b", "c", "d", "e", "f"])
+    assert note == "n=5: 1 classes hold fewer than 5 images, their picks all they have: f (3)"
+    assert low_shot.short_classes(labels, 3) is None
+    assert low_shot.sizes(None) == [] and low_shot.sizes([10, 1, 5, 5]) == [1, 5, 10] and low_shot.sizes(5) == [5]
+
+
+def test_low_shot_knn_reports_mean_and_std_over_tries_and_clips_k_once():
+    from resmlp.eval import low_shot
+    from resmlp.eval.knn import format_low_shot, knn_low_shot
+    xtr, ytr, xte, yte = random_features(n_train=300, n_test=60, classes=6)
+    res = knn_low_shot(xtr, ytr, xte, yte, 6, ks=[1, 5, 20], temperature=0.07, n_per_class=[3, 1], tries=4,
+                       seed=7, backend="torch")
+    assert res["n_per_class"] == [1, 3] and res["tries"] == 4 and list(res["results"]) == ["1", "3"]
+    assert res["results"]["1"]["bank"] == 6 and res["results"]["3"]["bank"] == 18
+    for n, k, used in ((1, 1, 1), (1, 5, 5), (1, 20, 6), (3, 20, 18)):
+        cell = res["results"][str(n)]["k"][str(k)]
+        assert cell["k_used"] == used
+        # each try is knn_evaluate on its own pick; mean and sample std over the tries
+        top1 = [knn_evaluate(xtr[p], ytr[p], xte, yte, 6, ks=[used])[used]["top1"]
+                for p in low_shot.picks(ytr, n, 4, 7)]
+        assert [t["top1"] for t in cell["tries"]] == pytest.approx(top1)
+        assert cell["top1"] == pytest.approx(np.mean(top1)) and cell["top1_std"] == pytest.approx(np.std(top1, ddof=1))
+        assert "top5" in cell and "top5_std" in cell
+    assert res["results"]["1"]["k"]["20"]["top1_std"] > 0     # the picks differ, and so do their accuracies
+    assert res["notes"] == ["n=1: k=20 clipped to the bank's 6 images", "n=3: k=20 clipped to the bank's 18 images"]
+    json.dumps(res)                                           # knn.json / results.json hold it as it is
+    whole = knn_evaluate(xtr, ytr, xte, yte, 6, ks=[1, 5, 20])
+    table = format_low_shot(res, whole, 300)
+    assert table.count("clipped to the bank's 6 images") == 1 and "±" in table and "      6    20*" in table
+    assert table.splitlines()[-4].split()[:3] == ["all", "300", "20"]   # the whole bank, then the notes
+    one = knn_low_shot(xtr, ytr, xte, yte, 6, ks=[5], temperature=0.07, n_per_class=[2], tries=1)
+    assert one["results"]["2"]["k"]["5"]["top1_std"] is None
+    assert "±" not in format_low_shot(one).splitlines()[2]     # one try: no spread to show
+
+
+def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch):
+    """knn_report(few_labels=True) with knn.n_per_class: the low-shot k-NN on the features
+    its online k-NN kept (extracted once), printed as a table, returned for results.json."""
+    from resmlp.core.config import load_config
+    from resmlp.eval import knn
+    from resmlp.ssl.train import knn_report
+
+    class Images(list):
+        classes = ["a", "b", "c"]
+
+    g = torch.Generator().manual_seed(0)
+    data = {s: (torch.randn(n, 5, generator=g), torch.arange(n) % 3) for s, n in (("train", 30), ("test", 9))}
+    asked = []
+
+    def online_knn(*args, keep_features=False, **kwargs):
+        asked.append(keep_features)
+        res = knn.knn_evaluate(*data["train"], *data["test"], 3, ks=[1, 5])
+        out = {"knn": res, "knn_top1": res[5]["top1"], "knn_top5": res[5]["top5"], "knn_k": 5, "n_train": 30,
+               "num_classes": 3}
+        return {**out, "features": data, "datasets": {"train": Images(), "test": Images()}} if keep_features else out
+
+    class FakeRun:
+        is_main, device, world_size, amp_dtype = True, torch.device("cpu"), 1, None
+        printed = []
+
+        def print(self, *args):
+            self.printed.append(" ".join(map(str, args)))
+
+    monkeypatch.setattr(knn, "online_knn", online_knn)
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", "knn.k=5",
+                                             "knn.n_per_class=[1,2]", "knn.tries=3"])
+    run = FakeRun()
+    assert "knn_low_shot" not in knn_report(run, None, cfg, "epoch 1") and asked == [False]   # periodic: no
+    out = knn_report(run, None, cfg, "teacher after training", few_labels=True)
+    assert asked[-1] is True
+    few = out["knn_low_shot"]
+    assert few["tries"] == 3 and few["results"]["1"]["k"]["5"]["k_used"] == 3 and "top1_std" in few["results"]["2"]["k"]["5"]
+    table = run.printed[-1]
+    assert "k-NN with few labels" in table and table.count("n=1: k=5 clipped to the bank's 3 images") == 1
+    cfg.knn.n_per_class = None
+    assert "knn_low_shot" not in knn_report(run, None, cfg, "end", few_labels=True) and asked[-1] is False
+    json.dumps(out)
