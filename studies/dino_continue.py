@@ -1,7 +1,7 @@
 """Continuing DINO from weights without wrecking them (issue 30, part 5; docs/dino_learning.md).
 
     python studies/dino_continue.py prepare DIR [N]   # the study's image folders, as PNGs
-    python studies/dino_continue.py table RUN [RUN ...] [--low-shot]   # the table of the runs
+    python studies/dino_continue.py table RUN [RUN ...]   # the table of the runs
 
 The stand-in for a released checkpoint is the CPU demo's teacher pretrained on the
 Fashion-MNIST classes 0-4 only, exported in timm's format; it is then continued on
@@ -14,10 +14,10 @@ unlabeled images of all ten classes and judged by k-NN on all ten. `prepare` wri
         (`data=folder`)
 N (a test's size): the first N images of each class in fm04 and an N-image pick in fm10.
 
-The runs themselves are the project's commands (`bash run.sh dino ...`, `export`, `knn`);
-docs/dino_learning.md lists each one. `table` reads their results.json and log.jsonl (the
-k-NN of every epoch: eval_every=1) and, with --low-shot, the knn.json the low-shot k-NN
-wrote into each run dir.
+The runs themselves are the project's commands (`bash run.sh dino ...`, `export`);
+docs/dino_learning.md lists each one. `table` reads their results.json and log.jsonl: the
+k-NN at the start, after the head warm-up and at the end, its lowest point (the k-NN of
+every epoch: eval_every=1), and the final k-NN with few labels (knn.n_per_class).
 """
 from __future__ import annotations
 
@@ -65,28 +65,18 @@ def _curve(run: Path) -> list[tuple[float, float]]:
     return [(r["epoch"], r["knn_top1"]) for r in rows if "knn_top1" in r]
 
 
-def row(run: Path, low_shot: bool = False) -> dict:
+def row(run: Path) -> dict:
     res = json.loads((run / "results.json").read_text())
     curve = _curve(run)
     start = res.get("init_knn_top1", curve[0][1] if curve else None)
-    warm = res.get("after_warmup_knn_top1")
-    out = {"run": run.name, "start": start, "after warm-up": warm, "end": res["knn_top1"],
-           "lowest": min(v for _, v in curve) if curve else None,
-           "lowest at epoch": min(curve, key=lambda c: c[1])[0] if curve else None,
-           "wall s": res.get("wall_time_s")}
-    if low_shot:
-        knn = json.loads((run / "knn.json").read_text())
-        for n, v in _low_shot(knn).items():
-            out[f"{n}/class"] = v
-    return out
-
-
-def _low_shot(knn: dict) -> dict:
-    """{n per class: 'mean ± std' of top-1 at the headline k} from a knn.json."""
-    shots = knn.get("low_shot") or {}
-    out = {}
-    for n, entry in shots.items():
-        out[n] = f"{entry['top1_mean']:.2f} ± {entry['top1_std']:.2f}"
+    low = min(curve, key=lambda c: c[1]) if curve else (None, None)
+    out = {"run": run.name, "start": start, "after warm-up": res.get("after_warmup_knn_top1"),
+           "end": res["knn_top1"], "lowest": low[1], "lowest after epoch": low[0]}
+    few = (res.get("knn_low_shot") or {}).get("results") or {}
+    for n, entry in few.items():   # the trainer's final k-NN with knn.n_per_class, at its headline k
+        top = entry["k"][str(res["knn_k"])]
+        out[f"{n}/class"] = f"{top['top1']:.2f} ± {top['top1_std']:.2f}"
+    out["wall s"] = res.get("wall_time_s")
     return out
 
 
@@ -96,8 +86,8 @@ def _fmt(v) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-def table(runs: list[Path], low_shot: bool = False) -> str:
-    rows = [row(r, low_shot) for r in runs]
+def table(runs: list[Path]) -> str:
+    rows = [row(r) for r in runs]
     cols = list(dict.fromkeys(k for r in rows for k in r))
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
@@ -109,7 +99,6 @@ if __name__ == "__main__":
     if len(args) >= 2 and args[0] == "prepare":
         prepare(Path(args[1]), int(args[2]) if len(args) > 2 else None)
     elif len(args) >= 2 and args[0] == "table":
-        shots = "--low-shot" in args
-        print(table([Path(a) for a in args[1:] if a != "--low-shot"], shots))
+        print(table([Path(a) for a in args[1:]]))
     else:
         sys.exit(__doc__)
