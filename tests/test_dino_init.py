@@ -14,14 +14,9 @@ import torch
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
-FMNIST = Path("/usr/share/datasets/fashion-mnist")
-needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+from test_dino import ROOT, TINY as DINO_TINY, needs_fmnist
 
-TINY = ["demo=false", "model.dim=32", "model.depth=2", "data.subset=64", "batch_size=32", "epochs=2",
-        "dino.out_dim=64", "dino.hidden_dim=32", "dino.bottleneck_dim=16", "dino.n_local_crops=2",
-        "optim.warmup_epochs=1", "num_workers=0", "eval_every=0", "log_every=1",
-        "dino.final_linear=false", "model.drop_path_rate=0.0"]
+TINY = [*DINO_TINY, "model.dim=32"]   # test_dino's tiny run, as wide as the timm files below
 
 
 def timm_file(path: Path, img_size: int = 32, patch_size: int = 4) -> tuple[Path, torch.nn.Module]:
@@ -201,12 +196,9 @@ def test_a_kill_inside_the_warmup_resumes_across_its_end_to_the_same_weights(tmp
     resumed = subprocess.run(_cmd(tmp_path / "cut", *extra), cwd=ROOT, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout and "continuing from" not in resumed.stdout
-    a = torch.load(tmp_path / "full" / "checkpoint.pth", weights_only=False)
-    b = torch.load(tmp_path / "cut" / "checkpoint.pth", weights_only=False)
+    a, b = (torch.load(tmp_path / r / "checkpoint.pth", weights_only=False) for r in ("full", "cut"))
     assert a["iteration"] == b["iteration"] == 8
-    for key in ("teacher", "student"):
-        for name, value in a[key].items():
-            assert torch.equal(value, b[key][name]), f"{key}.{name}"
+    assert all(torch.equal(v, b[key][n]) for key in ("teacher", "student") for n, v in a[key].items())
     ra, rb = (json.loads((tmp_path / r / "results.json").read_text()) for r in ("full", "cut"))
     assert ra["init_from"] == rb["init_from"] and ra["after_warmup_knn_top1"] == rb["after_warmup_knn_top1"]
     assert ra["knn_top1"] == rb["knn_top1"]
@@ -272,14 +264,11 @@ def test_init_on_a_run_dir_with_its_own_state_says_which_to_drop(tmp_path):
 @pytest.mark.slow
 @needs_fmnist
 def test_two_processes_keep_the_warmup_and_stay_in_step(tmp_path):
-    import socket
+    from test_dino import _free_port
     path, _ = timm_file(tmp_path / "timm.pth")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # device=cpu (gloo); DDP is wrapped anew when the backbone joins
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={port}", "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY,
+                           f"--master_port={_free_port()}", "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY,
                            f"out={tmp_path / 'two'}", f"dino.init={path}", "data.subset=128", "device=cpu",
                            "save_rank_weights=true"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
