@@ -281,3 +281,40 @@ def test_two_processes_keep_the_warmup_and_stay_in_step(tmp_path):
     assert torch.equal(warm["student"]["backbone.blocks.0.cross_patch.weight"], given["blocks.0.linear_tokens.weight"])
     assert not torch.equal(ranks[0]["student"]["backbone.blocks.0.cross_patch.weight"],
                            given["blocks.0.linear_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_the_whole_loop_from_released_weights_on_a_folder(tmp_path):
+    """Issue 30's loop at tiny size: DINO on a folder of unlabeled images from a timm-format
+    file (of another image size), the k-NN with few labels on a labeled folder, fine-tuning,
+    export; the exported file is what timm loads."""
+    from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+    from test_folder import TINY as FOLDER_TINY, labeled, photos
+    from resmlp.core.cli import main
+    from resmlp.models.load import load_backbone
+    torch.manual_seed(2)
+    released = MlpMixer(num_classes=0, img_size=32, patch_size=4, num_blocks=2, embed_dim=16, mlp_ratio=4,
+                        block_layer=ResBlock, norm_layer=Affine).eval()
+    torch.save(released.state_dict(), tmp_path / "released.pth")
+    root, lab, run = photos(tmp_path / "imgs", 24), labeled(tmp_path / "lab"), tmp_path / "run"
+    assert main(["dino", "resmlp_s12", *FOLDER_TINY, "data=folder", f"data.root={root}", "eval.data=imagefolder",
+                 f"eval.root={lab}", "epochs=2", f"dino.init={tmp_path / 'released.pth'}", f"out={run}"]) == 0
+    res = json.loads((run / "results.json").read_text())
+    assert res["init_from"]["grid"] == [[8, 8], [4, 4]] and res["init_from"]["head"] == "new"
+    assert "after_warmup_knn_top1" in res and "knn_top1" in res
+    assert main(["knn", str(run), "data=imagefolder", f"data.root={lab}", "k=3", "knn.n_per_class=[1,2]",
+                 "knn.tries=2", f"out={tmp_path / 'knn'}"]) == 0
+    few = json.loads((tmp_path / "knn" / "knn.json").read_text())
+    assert set(few["low_shot"]["results"]) == {"1", "2"}
+    assert main(["finetune", str(run), "data=imagefolder", f"data.root={lab}", "demo=false", "epochs=1",
+                 "batch_size=4", "num_workers=0", "eval_every=0", f"out={tmp_path / 'ft'}"]) == 0
+    assert "top1" in json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert main(["export", str(run), "format=timm", f"out={tmp_path / 'export'}"]) == 0
+    exported = next((tmp_path / "export").glob("*_timm.pth"))
+    twin = MlpMixer(num_classes=0, img_size=16, patch_size=4, num_blocks=2, embed_dim=16, mlp_ratio=4,
+                    block_layer=ResBlock, norm_layer=Affine).eval()
+    twin.load_state_dict(torch.load(exported))
+    ours, _ = load_backbone(str(run))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.allclose(twin(x), ours(x), atol=1e-5)
