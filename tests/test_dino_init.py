@@ -78,7 +78,7 @@ def test_a_timm_file_gives_both_backbones_its_features(tmp_path):
     torch.save(timm_model.state_dict(), path)
     cfg, start = start_for(tmp_path, f"dino.init={path}", "model.dim=null", "model.depth=null",
                            "model.patch_size=16")
-    assert start.info["grid"] is None and not start.head_loaded and start.warmup_epochs == 0   # the default
+    assert start.info["grid"] is None and not start.head_loaded and start.warmup_epochs == 1   # the default
     student, teacher = networks(cfg, start)
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
