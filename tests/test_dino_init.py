@@ -321,3 +321,27 @@ def test_the_whole_loop_from_released_weights_on_a_folder(tmp_path):
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         assert torch.allclose(twin(x), ours(x), atol=1e-5)
+
+
+@needs_fmnist
+def test_the_study_script_writes_its_folders_and_reads_its_runs(tmp_path):
+    """studies/dino_continue.py at a tiny size (studies/README.md: kept working)."""
+    script = ROOT / "studies" / "dino_continue.py"
+    proc = subprocess.run([sys.executable, str(script), "prepare", str(tmp_path / "data"), "10"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "data" / "fm04" / "train").iterdir()) == ["0", "1", "2", "3", "4"]
+    assert len(list((tmp_path / "data" / "fm04" / "val" / "4").glob("*.png"))) == 10
+    assert len(list((tmp_path / "data" / "fm10").glob("*.png"))) == 10
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({
+        "init_knn_top1": 50.0, "after_warmup_knn_top1": 50.0, "knn_top1": 55.0, "knn_k": 20, "wall_time_s": 9.0,
+        "knn_low_shot": {"results": {"1": {"k": {"20": {"top1": 20.0, "top1_std": 1.5}}}}}}))
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"epoch": 0, "knn_top1": 50.0}, {"epoch": 1, "iteration": 3, "loss": 1.0}, {"epoch": 1, "knn_top1": 47.5},
+        {"epoch": 2, "knn_top1": 55.0})) + "\n")
+    proc = subprocess.run([sys.executable, str(script), "table", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| run | 50.00 | 50.00 | 55.00 | 47.50 | 1 | 20.00 ± 1.50 | 9.00 |" in proc.stdout
