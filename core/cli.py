@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from resmlp.core import preempt
 from resmlp.core.checkpoint import check_writable, saved_config
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
-from resmlp.core.outdir import check_out_dir, inside, shown
+from resmlp.core.outdir import check_out_dir, inside, length_problem, shown
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,12 @@ def check_writes(name: str, cmd: Command, cfg) -> None:
         check_out_dir(directory, cfg, COMMANDS, what)
         check_writable(directory, what, "choose another out=" if cfg.out else "pass out=<a directory you can write>")
     cache = cfg.get("features", {}).get("cache_dir")
-    if cache and cfg.data.get("root") and inside(cache, cfg.data.root):
+    if not cache:
+        return
+    problem = length_problem(cache)
+    if problem:
+        raise UserError(f"features.cache_dir={shown(cache)}: {problem}; choose a shorter one")
+    if cfg.data.get("root") and not length_problem(cfg.data.root) and inside(cache, cfg.data.root):
         raise UserError(f"features.cache_dir={cache} is inside data.root={cfg.data.root}: the cache would become "
                         "part of the data set; choose a folder outside it")
 

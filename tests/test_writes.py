@@ -150,9 +150,14 @@ def test_a_name_or_a_path_too_long_for_the_file_system_is_one_line(tiny_run, tmp
         assert main(argv) == 2
         line = one_line_error(capsys)
         assert "the file system takes; choose a shorter out=" in line and len(line) < 400, line
-    assert main(["knn", str(long_name)]) == 2
+    assert main(["knn", str(tiny_run / "dino"), f"features.cache_dir={long_name}"]) == 2
+    line = one_line_error(capsys)
+    assert "features.cache_dir=" in line and "the file system takes; choose a shorter one" in line, line
+    assert main(["knn", str(long_name)]) == 2   # met where the path is first used, still one line
     line = one_line_error(capsys)
     assert "File name too long" in line and "choose a shorter one" in line and len(line) < 400, line
+    assert main(["knn", str(tiny_run / "dino"), f"data.root={long_name}"]) == 2
+    one_line_error(capsys)
     assert list(tmp_path.iterdir()) == []
 
 
