@@ -68,7 +68,7 @@ def check_replaces(weights: Path, info: Mapping) -> None:
         source = json.loads(card_path.read_text()).get("source") or {}
     except (OSError, ValueError, AttributeError):
         source = {}
-    if weights.exists() and source.get("weights_hash") == info.get("weights_hash"):
+    if source and source.get("weights_hash") == info.get("weights_hash"):
         return
     what = (f"an export of other weights ({source.get('spec')}, epoch {source.get('epoch')})" if source
             else "a file no export card describes")
