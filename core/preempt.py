@@ -12,8 +12,9 @@ iteration.
 Ctrl-C (SIGINT) in a trainer (`watch(ctrl_c=True)`) is the same request: the first one
 stops the run at the iteration with a checkpoint, and exits CTRL_C_EXIT, as a shell
 expects of an interrupted command; a second one raises KeyboardInterrupt at once (the
-trainer still leaves its lock). Loader workers, which a terminal's Ctrl-C reaches too,
-ignore it.
+trainer still leaves its lock). A SIGINT within CTRL_C_REPEAT_S of the first is the same
+Ctrl-C: under torchrun each process gets it from the terminal and again from torchrun.
+Loader workers, which a terminal's Ctrl-C reaches too, ignore it.
 """
 from __future__ import annotations
 
@@ -21,14 +22,17 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 CTRL_C_EXIT = 128 + signal.SIGINT  # what a shell reports for a command Ctrl-C ended
+CTRL_C_REPEAT_S = 1.0
 CTRL_C_NOTICE = (b"Ctrl-C: the run stops after this iteration (or the evaluation running now) with a checkpoint; "
                  b"Ctrl-C again stops it at once, without one\n")
 
 _received: list[int] = []
 _depth = [0]  # nested watch() blocks: the outermost one starts with no signal noted
+_first_ctrl_c = [0.0]  # time.monotonic() of the Ctrl-C noted
 
 
 def _note(signum, _frame) -> None:
@@ -37,8 +41,11 @@ def _note(signum, _frame) -> None:
 
 def _note_ctrl_c(signum, _frame) -> None:
     if signum in _received:
-        raise KeyboardInterrupt
+        if time.monotonic() - _first_ctrl_c[0] >= CTRL_C_REPEAT_S:
+            raise KeyboardInterrupt
+        return
     _received.append(signum)
+    _first_ctrl_c[0] = time.monotonic()
     if os.environ.get("RANK", "0") == "0":
         os.write(2, CTRL_C_NOTICE)  # not print(): a handler may run inside another write to stderr
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
+from resmlp.core.preempt import CTRL_C_REPEAT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -244,11 +245,14 @@ def clean(stderr: str) -> bool:
     return "Traceback" not in stderr and "Exception ignored" not in stderr and "KeyboardInterrupt" not in stderr
 
 
-def test_a_first_ctrl_c_is_noted_and_a_second_stops_at_once():
+def test_a_first_ctrl_c_is_noted_and_a_second_stops_at_once(monkeypatch):
     from resmlp.core import preempt
+    monkeypatch.setattr(preempt, "CTRL_C_REPEAT_S", 0.2)
     with preempt.watch(ctrl_c=True):
         signal.raise_signal(signal.SIGINT)
         assert preempt.requested() and preempt.received() == "SIGINT"
+        signal.raise_signal(signal.SIGINT)   # the same Ctrl-C again (torchrun passes it on)
+        time.sleep(0.3)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -290,13 +294,15 @@ def test_ctrl_c_stops_at_the_iteration_with_a_checkpoint_and_resumes(tmp_path, c
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_a_rerun_without_a_checkpoint_starts_a_clean_log(tmp_path):
     out = tmp_path / "run"
-    slow = [*DINO, "model.dim=256", "model.depth=8", "num_workers=2"]  # iterations long enough to press twice
+    # iterations long enough (seconds) to press twice, CTRL_C_REPEAT_S apart, within one
+    slow = [*DINO, "model.dim=384", "model.depth=8", "num_workers=2"]
     proc = subprocess.Popen(cli(*slow, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     wait_for_training(proc, out)
     ctrl_c(proc)
     while not proc.stderr.readline().startswith("Ctrl-C:"):   # the first is noted
         assert proc.poll() is None
+    time.sleep(CTRL_C_REPEAT_S + 0.2)
     ctrl_c(proc)
     cut = finish(proc)
     assert cut.returncode == 130 and clean(cut.stderr), cut.stderr[-3000:]
