@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from resmlp.core import preempt
 from resmlp.core.checkpoint import check_writable, saved_config
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
-from resmlp.core.outdir import check_out_dir, inside, length_problem, shown
+from resmlp.core.outdir import check_cache_dir, check_out_dir, shown
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def check_writes(name: str, cmd: Command, cfg) -> None:
     """The directory the command writes into may take its outputs (core/outdir.py: not a
     folder of something else, not inside data.root, a path the file system takes) and can
     be written, before the command does any work (one process tries: under torchrun the
-    others would race its clean-up). An explicit feature cache stays out of data.root too."""
+    others would race its clean-up). An explicit feature cache stays out of the data too."""
     if not cmd.writes or int(os.environ.get("RANK", "0")) != 0:
         return
     module, func = cmd.writes.split(":")
@@ -178,15 +178,7 @@ def check_writes(name: str, cmd: Command, cfg) -> None:
     if directory is not None:
         check_out_dir(directory, cfg, COMMANDS, what)
         check_writable(directory, what, "choose another out=" if cfg.out else "pass out=<a directory you can write>")
-    cache = cfg.get("features", {}).get("cache_dir")
-    if not cache:
-        return
-    problem = length_problem(cache)
-    if problem:
-        raise UserError(f"features.cache_dir={shown(cache)}: {problem}; choose a shorter one")
-    if cfg.data.get("root") and not length_problem(cfg.data.root) and inside(cache, cfg.data.root):
-        raise UserError(f"features.cache_dir={cache} is inside data.root={cfg.data.root}: the cache would become "
-                        "part of the data set; choose a folder outside it")
+    check_cache_dir(cfg)
 
 
 def launch(cfg, argv: list[str]) -> int:

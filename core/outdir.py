@@ -21,6 +21,8 @@ from resmlp.core.errors import UserError
 RECORD_MAX_BYTES = 1 << 20
 # How many entries of a folder are looked at for a record (a data set's millions are not).
 SCAN_ENTRIES = 1000
+# Where data sets' files are (dino's eval.root: its k-NN's labeled set): no output goes inside.
+DATA_ROOTS = ("data.root", "eval.root")
 
 
 def shown(path, width: int = 80) -> str:
@@ -138,18 +140,28 @@ def inside(path, root) -> bool:
     return p == r or r in p.parents
 
 
+def data_root_around(path, cfg) -> str | None:
+    """`key=value` of the data root (DATA_ROOTS) that `path` lies inside, if any."""
+    from omegaconf import OmegaConf
+    for key in DATA_ROOTS:
+        root = OmegaConf.select(cfg, key, default=None)
+        if root and not length_problem(root) and inside(path, root):
+            return f"{key}={root}"
+    return None
+
+
 def check_out_dir(directory, cfg, commands, what: str) -> None:
     """UserError, before anything is made, when the folder `what` goes to (`directory`) is a
-    path the file system cannot take, lies inside data.root, or (out= given) holds files of
-    something else and out_ok is not true."""
+    path the file system cannot take, lies inside a data root, or (out= given) holds files
+    of something else and out_ok is not true."""
     problem = length_problem(directory)
     if problem:
         raise UserError(f"cannot write {what} to {shown(directory)}: {problem}; choose a shorter out=")
-    root = cfg.data.get("root") if "data" in cfg else None
-    if root and not length_problem(root) and inside(directory, root):
+    around = data_root_around(directory, cfg)
+    if around:
         where = f"out={directory}" if cfg.out else f"{directory} (the default for {what}; pass out=)"
-        raise UserError(f"{where} is inside data.root={root}: the outputs would become part of the data set "
-                        "(an image folder takes every folder in it for a class); choose an out= outside it")
+        raise UserError(f"{where} is inside {around}: the outputs would become part of the data set (an image "
+                        "folder takes every folder in it for a class); choose an out= outside it")
     if not cfg.out or cfg.get("out_ok", False):
         return
     foreign = foreign_entries(directory, commands)
@@ -158,3 +170,17 @@ def check_out_dir(directory, cfg, commands, what: str) -> None:
         raise UserError(f"out={directory} holds files this project did not write ({listed}); choose a new or empty "
                         "folder for out=, or pass out_ok=true to write into it anyway (a file of the same name as "
                         "one it writes is replaced)")
+
+
+def check_cache_dir(cfg) -> None:
+    """features.cache_dir, where given: a path the file system takes, outside the data roots."""
+    cache = cfg.get("features", {}).get("cache_dir")
+    if not cache:
+        return
+    problem = length_problem(cache)
+    if problem:
+        raise UserError(f"features.cache_dir={shown(cache)}: {problem}; choose a shorter one")
+    around = data_root_around(cache, cfg)
+    if around:
+        raise UserError(f"features.cache_dir={cache} is inside {around}: the cache would become part of the data "
+                        "set; choose a folder outside it")
