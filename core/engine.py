@@ -332,9 +332,10 @@ class Run:
         checkpoint_prev.pth."""
         self.open()
         if self.is_main:
-            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
-                                              "log_bytes": self.logger.size(), **state},
-                            previous=self.prev_path if name == CHECKPOINT_NAME else None)
+            with preempt.unbroken():
+                save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
+                                                  "log_bytes": self.logger.size(), **state},
+                                previous=self.prev_path if name == CHECKPOINT_NAME else None)
         dist.barrier()
 
     def memory_mb(self) -> dict:
@@ -591,9 +592,8 @@ def command(train):
         except torch.OutOfMemoryError:
             raise UserError(out_of_memory_message(cfg)) from None
         except KeyboardInterrupt:  # a second Ctrl-C (core.preempt)
-            raise KeyboardInterrupt(f"stopped at once by Ctrl-C, without a checkpoint of the iteration it was in; "
-                                    f"the same command continues from the last checkpoint in {run_dir(cfg)}, if "
-                                    "there is one") from None
+            raise KeyboardInterrupt(f"stopped at once by a second Ctrl-C; the same command continues from the last "
+                                    f"checkpoint in {run_dir(cfg)}, if there is one") from None
         finally:
             release_all()
             dist.cleanup()

@@ -12,9 +12,10 @@ iteration.
 Ctrl-C (SIGINT) in a trainer (`watch(ctrl_c=True)`) is the same request: the first one
 stops the run at the iteration with a checkpoint, and exits CTRL_C_EXIT, as a shell
 expects of an interrupted command; a second one raises KeyboardInterrupt at once (the
-trainer still leaves its lock). A SIGINT within CTRL_C_REPEAT_S of the first is the same
-Ctrl-C: under torchrun each process gets it from the terminal and again from torchrun.
-Loader workers, which a terminal's Ctrl-C reaches too, ignore it.
+trainer still leaves its lock), or, during a checkpoint's write (`unbroken()`), once
+the write is done. A SIGINT within CTRL_C_REPEAT_S of the first is the same Ctrl-C: under
+torchrun each process gets it from the terminal and again from torchrun. Loader workers,
+which a terminal's Ctrl-C reaches too, ignore it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ CTRL_C_NOTICE = (b"Ctrl-C: the run stops after this iteration (or the evaluation
 _received: list[int] = []
 _depth = [0]  # nested watch() blocks: the outermost one starts with no signal noted
 _first_ctrl_c = [0.0]  # time.monotonic() of the Ctrl-C noted
+_unbroken = [0, False]  # nested unbroken() blocks, and whether a second Ctrl-C waits for their end
 
 
 def _note(signum, _frame) -> None:
@@ -41,9 +43,12 @@ def _note(signum, _frame) -> None:
 
 def _note_ctrl_c(signum, _frame) -> None:
     if signum in _received:
-        if time.monotonic() - _first_ctrl_c[0] >= CTRL_C_REPEAT_S:
-            raise KeyboardInterrupt
-        return
+        if time.monotonic() - _first_ctrl_c[0] < CTRL_C_REPEAT_S:
+            return
+        if _unbroken[0]:
+            _unbroken[1] = True
+            return
+        raise KeyboardInterrupt
     _received.append(signum)
     _first_ctrl_c[0] = time.monotonic()
     if os.environ.get("RANK", "0") == "0":
@@ -73,6 +78,20 @@ def watch(extra=(), ctrl_c: bool = False):
         _depth[0] -= 1
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def unbroken():
+    """A block a second Ctrl-C does not cut (a checkpoint's write: torch.save stopped in the
+    middle ends in a RuntimeError of its own); it stops the run when the block is done."""
+    _unbroken[0] += 1
+    try:
+        yield
+    finally:
+        _unbroken[0] -= 1
+    if not _unbroken[0] and _unbroken[1]:
+        _unbroken[1] = False
+        raise KeyboardInterrupt
 
 
 def requested() -> bool:

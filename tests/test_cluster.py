@@ -290,14 +290,22 @@ def test_ctrl_c_stops_at_the_iteration_with_a_checkpoint_and_resumes(tmp_path, c
         assert_same_weights(weights(request.getfixturevalue("uninterrupted")), weights(out))
 
 
+# The DINO trainer with each step 2.5 s longer: room to press Ctrl-C twice, CTRL_C_REPEAT_S
+# apart, within one iteration, however fast the machine.
+SLOW_STEPS = ("import sys, time\n"
+              "from resmlp.ssl import step\n"
+              "real = step.DinoStep.__call__\n"
+              "step.DinoStep.__call__ = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
+              "from resmlp.core.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+
+
 @needs_fmnist
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_a_rerun_without_a_checkpoint_starts_a_clean_log(tmp_path):
     out = tmp_path / "run"
-    # iterations long enough (seconds) to press twice, CTRL_C_REPEAT_S apart, within one
-    slow = [*DINO, "model.dim=384", "model.depth=8", "num_workers=2"]
-    proc = subprocess.Popen(cli(*slow, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_STEPS, *DINO, f"out={out}", "num_workers=2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_training(proc, out)
     ctrl_c(proc)
     while not proc.stderr.readline().startswith("Ctrl-C:"):   # the first is noted
@@ -306,14 +314,27 @@ def test_a_second_ctrl_c_stops_at_once_and_a_rerun_without_a_checkpoint_starts_a
     ctrl_c(proc)
     cut = finish(proc)
     assert cut.returncode == 130 and clean(cut.stderr), cut.stderr[-3000:]
-    assert cut.stderr.strip().splitlines()[-1].startswith("stopped at once by Ctrl-C, without a checkpoint")
+    assert cut.stderr.strip().splitlines()[-1].startswith("stopped at once by a second Ctrl-C; the same command")
     assert not (out / "run.lock").exists() and not (out / "checkpoint.pth").exists()
-    assert logged_iteration(out) >= 1
+    assert logged_iteration(out) == 1
 
     again = subprocess.run(cli(*DINO, f"out={out}", "epochs=1"), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in lines if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_second_ctrl_c_while_a_checkpoint_is_written_stops_the_run_once_it_is(tmp_path, monkeypatch):
+    from resmlp.core import preempt
+    monkeypatch.setattr(preempt, "CTRL_C_REPEAT_S", 0.0)
+    written = []
+    with preempt.watch(ctrl_c=True):
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            with preempt.unbroken():
+                signal.raise_signal(signal.SIGINT)
+                written.append("the whole checkpoint")
+    assert written == ["the whole checkpoint"]
 
 
 # ---- the SLURM launcher ------------------------------------------------------------------------------

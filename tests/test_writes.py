@@ -14,8 +14,7 @@ import torch
 from test_inputs import RANDOM, TINY_ARCH, commands, image_folder, one_line_error, tiny_run  # noqa: F401
 
 from resmlp.core.cli import main
-from resmlp.core.config import save_config
-from resmlp.core.config import load_config
+from resmlp.core.config import load_config, save_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
