@@ -29,7 +29,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 CTRL_C_EXIT = 128 + signal.SIGINT  # what a shell reports for a command Ctrl-C ended
 CTRL_C_REPEAT_S = 1.0
 CTRL_C_NOTICE = (b"Ctrl-C: the run stops after this iteration (or the evaluation running now) with a checkpoint; "
-                 b"Ctrl-C again stops it at once, without one\n")
+                 b"Ctrl-C again stops it at once\n")
 
 _received: list[int] = []
 _depth = [0]  # nested watch() blocks: the outermost one starts with no signal noted
