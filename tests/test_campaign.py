@@ -187,8 +187,7 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests]"])
     p, stages = CS.plan(gpu, tmp_path)
     assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 60)]
-    assert "compile=true" in stages[0].argv
-    assert load_config("dino", "resmlp_s12", ["demo=false"]).ckpt_epochs == 10  # the recipe's cadence
+    assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
                       (["campaign.stages=[preset,viz]"], "one of tests, bench_first, preset, bench, compare"),
                       (["campaign.call_s=170"], "no time for the preset stage")):
