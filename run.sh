@@ -10,9 +10,10 @@
 #   or, with no fixed master (torchrun's c10d rendezvous, the same command on every node):
 #   NPROC_PER_NODE=8 NNODES=2 RDZV_ENDPOINT=host:port [RDZV_ID=<job id>] [RDZV_TIMEOUT=seconds, 300]
 # A SLURM job instead: bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 ... (README)
+# Paths on the command line mean what they mean in the caller's shell: the commands run in
+# the caller's folder (default outputs, runs/..., land there), never in this one.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-cd "$ROOT"
 
 say() { echo "run.sh: $*" >&2; }
 
@@ -24,7 +25,7 @@ deps_import() {
 
 venv_python() {
   local venv="$ROOT/.venv" stamp
-  stamp="$(cat requirements.txt pyproject.toml | sha256sum | cut -c1-16)"
+  stamp="$(cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
   if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv (first use)"
     python3 -m venv "$venv" || { say "could not create a virtualenv: install python3-venv, or activate an environment with torch"; exit 2; }
@@ -32,8 +33,8 @@ venv_python() {
   if [ "$(cat "$venv/.resmlp-stamp" 2>/dev/null)" != "$stamp" ]; then
     say "installing requirements into $venv (only when requirements.txt or pyproject.toml change)"
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
-    "$venv/bin/python" -m pip install -q -r requirements.txt >&2
-    "$venv/bin/python" -m pip install -q --no-deps -e . >&2
+    "$venv/bin/python" -m pip install -q -r "$ROOT/requirements.txt" >&2
+    "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
     echo "$stamp" > "$venv/.resmlp-stamp"
   fi
   PY="$venv/bin/python"
@@ -108,27 +109,40 @@ case "$cmd" in
   campaign-carry)
     # Here, online: the three wheels and the four Fashion-MNIST files a GPU machine gets by
     # `carry: [".whl", ".fmnist", ".campaign_report"]` (all ignored by git; about 30 MB).
-    mkdir -p .whl .fmnist
+    mkdir -p "$ROOT/.whl" "$ROOT/.fmnist"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d .whl omegaconf==2.3.1 lightly==1.6.0
-    python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # an sdist on PyPI: pure Python
+      -d "$ROOT/.whl" omegaconf==2.3.1 lightly==1.6.0
+    python3 -m pip wheel -q --no-deps -w "$ROOT/.whl" antlr4-python3-runtime==4.9.3  # an sdist on PyPI: pure Python
     fmnist="${RESMLP_FMNIST_DIR:-/usr/share/datasets/fashion-mnist}"
-    cp "$fmnist"/*-ubyte.gz .fmnist/ || { say "no Fashion-MNIST .gz files in $fmnist: set RESMLP_FMNIST_DIR"; exit 2; }
-    ls -l .whl .fmnist >&2
+    cp "$fmnist"/*-ubyte.gz "$ROOT/.fmnist/" || { say "no Fashion-MNIST .gz files in $fmnist: set RESMLP_FMNIST_DIR"; exit 2; }
+    ls -l "$ROOT/.whl" "$ROOT/.fmnist" >&2
     exit 0 ;;
   test)
     shift; choose_python
     ensure_fashion_mnist
-    # the whole suite, unless the arguments name test files or folders themselves
-    where=tests; for a in "$@"; do case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && where= ;; esac; done
-    set +e; "$PY" -m pytest $where -q "$@"; rc=$?; set -e
+    # the whole suite, unless the arguments name test files or folders themselves; pytest runs
+    # in the repository (its settings, tests/), so a file named from the caller's folder goes
+    # by its absolute path
+    where=tests; args=()
+    for a in "$@"; do
+      case "$a" in -*) ;; *)
+        if [ -e "${a%%::*}" ]; then where=; case "$a" in /*) ;; *) a="$PWD/$a" ;; esac
+        elif [ -e "$ROOT/${a%%::*}" ]; then where=; fi ;;
+      esac
+      args+=("$a")
+    done
+    cd "$ROOT"
+    set +e; "$PY" -m pytest $where -q ${args[@]+"${args[@]}"}; rc=$?; set -e
     [ "$rc" = 5 ] && { say "pytest collected no tests"; exit 1; }
     exit "$rc" ;;
 esac
 
 choose_python
 case "$cmd" in dino|knn|linear|viz|supervised|distill|finetune|compare|data) ensure_fashion_mnist "$@" ;; esac
+# python -m would put the caller's folder first on the import path: a file of theirs named
+# like a module (yaml.py, a datasets/ package) must not replace it.
+export PYTHONSAFEPATH=1
 
 NPROC="${NPROC_PER_NODE:-1}"; NNODES="${NNODES:-1}"
 case "$NPROC$NNODES" in *[!0-9]*) say "NPROC_PER_NODE and NNODES must be whole numbers (got '$NPROC', '$NNODES')"; exit 2 ;; esac

@@ -11,8 +11,10 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
+from resmlp.core import preempt
 from resmlp.core.checkpoint import check_writable, saved_config
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
+from resmlp.core.outdir import check_cache_dir, check_out_dir, shown
 
 
 @dataclass(frozen=True)
@@ -169,15 +171,19 @@ def build(argv: list[str]):
 
 
 def check_writes(name: str, cmd: Command, cfg) -> None:
-    """The directory the command writes into can be written, before the command does any
-    work (one process tries: under torchrun the others would race its clean-up)."""
+    """The directory the command writes into may take its outputs (core/outdir.py: not a
+    folder of something else, not inside data.root, a path the file system takes) and can
+    be written, before the command does any work (one process tries: under torchrun the
+    others would race its clean-up). An explicit feature cache stays out of the data too."""
     if not cmd.writes or int(os.environ.get("RANK", "0")) != 0:
         return
     module, func = cmd.writes.split(":")
     directory = getattr(importlib.import_module(module), func)(cfg)
+    what = f"the outputs of `{name}`"
     if directory is not None:
-        check_writable(directory, f"the outputs of `{name}`",
-                       "choose another out=" if cfg.out else "pass out=<a directory you can write>")
+        check_out_dir(directory, cfg, COMMANDS, what)
+        check_writable(directory, what, "choose another out=" if cfg.out else "pass out=<a directory you can write>")
+    check_cache_dir(cfg)
 
 
 def launch(cfg, argv: list[str]) -> int:
@@ -231,19 +237,23 @@ def main(argv: list[str] | None = None, run=None) -> int:
     except Preempted as e:
         if str(e):  # rank 0's; the other ranks stop quietly
             print(e, file=sys.stderr)
-        return PREEMPTED_EXIT
+        return preempt.CTRL_C_EXIT if preempt.received() == "SIGINT" else PREEMPTED_EXIT
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a write outside atomic_write (a figure, a log line) the disk refused
+        if e.errno == errno.ENAMETOOLONG:  # a path named on the command line, met before check_writes saw it
+            print(f"error: {shown(e.filename or 'a path')}: {e.strerror} (a name in it, or the whole path, is "
+                  "longer than the file system takes); choose a shorter one", file=sys.stderr)
+            return 2
         if e.errno not in FULL_OR_READ_ONLY:
             raise
         print(f"error: cannot write {e.filename or 'a file'}: {e.strerror}; free some space or choose another "
               "out=, then run again", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C outside a training loop, or a trainer's second one
+        print(str(e) or "interrupted", file=sys.stderr)
+        return preempt.CTRL_C_EXIT
     except Exception as e:  # noqa: BLE001 - only user errors are turned into one line
         user = unwrap_user_error(e)
         if user is None:

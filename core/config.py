@@ -14,11 +14,16 @@ Two sections of defaults.yaml and of each method file are not config keys but wh
 file says about its keys; they are taken out before anything else reads the config:
     limits:   key -> the numbers it may hold (a `Limit` kind or fields, see LIMIT_KINDS)
     moved:    old key -> the key that replaced it (naming the old one is an error)
+    paths:    key -> what file or folder it names; a relative value is made absolute against
+              the folder the command was started in, so that the saved config.yaml means
+              the same files from wherever the run is resumed or evaluated (`timm:` specs
+              and null stay as they are)
 A method file's sections add to those of the method it extends and of defaults.yaml.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -111,7 +116,7 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     # New keys may come from method files (their own sections); struct mode starts once
     # every file is in.
     cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
-    limits, moved = _take_rules(cfg, command)
+    limits, moved, paths = _take_rules(cfg, command)
     data = data or cfg.data.name
     data_file = CONFIG_DIR / "data" / f"{data}.yaml"
     if not data_file.exists():
@@ -174,7 +179,17 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
         raise UserError(f"config error: {str(e).splitlines()[0]}") from None
     _check_missing(cfg)
     check_values(cfg, limits)
+    _absolute_paths(cfg, paths)
     return cfg
+
+
+def _absolute_paths(cfg: DictConfig, paths: Iterable[str]) -> None:
+    for key in paths:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value and not value.startswith("timm:"):
+            full = os.path.abspath(os.path.expanduser(value))
+            if full != value:
+                OmegaConf.update(cfg, key, full)
 
 
 # The largest whole number torch and numpy hold (int64): no count may go beyond it, whatever
@@ -282,15 +297,16 @@ LIMIT_KINDS = {
 }
 
 
-def _take_rules(cfg: DictConfig, command: str) -> tuple[dict, dict]:
-    """Take the `limits:` and `moved:` sections out of the merged files: ({key: Limit},
-    {old key: new key}). Limits are checked once the config is built, so that a bad value
+def _take_rules(cfg: DictConfig, command: str) -> tuple[dict, dict, list]:
+    """Take the `limits:`, `moved:` and `paths:` sections out of the merged files:
+    ({key: Limit}, {old key: new key}, [path keys]). Limits are checked once the config is built, so that a bad value
     is one line before anything runs (not a traceback deep inside torch); a list (knn.k) is
     checked element by element, and a key the command does not have is skipped."""
     where = f"configs/defaults.yaml or configs/method/{command}.yaml"
     limits = {str(k): Limit.from_spec(v, f"{where}, limits.{k}") for k, v in (cfg.pop("limits", None) or {}).items()}
     moved = {str(k): str(v) for k, v in (cfg.pop("moved", None) or {}).items()}
-    return limits, moved
+    paths = [str(k) for k in (cfg.pop("paths", None) or {})]
+    return limits, moved, paths
 
 
 def check_values(cfg: DictConfig, limits: dict) -> None:

@@ -82,14 +82,17 @@ def config_differences(saved: dict, current: dict, keys=RESUME_MUST_MATCH) -> li
 class JsonlLogger:
     """log.jsonl plus TensorBoard scalars, written by rank 0 only."""
 
-    def __init__(self, directory: Path | None):
+    def __init__(self, directory: Path | None, fresh: bool = False):
+        """fresh: a run that starts at iteration 0, whose directory may hold the logs of an
+        earlier start stopped before its first checkpoint: log.jsonl starts empty, and
+        TensorBoard hides their events (a purge from step 0)."""
         self.file = None
         self.tb = None
         self.directory = directory
         if directory is None:
             return
-        self.file = open(directory / "log.jsonl", "a", buffering=1)
-        self._open_tb()
+        self.file = open(directory / "log.jsonl", "w" if fresh else "a", buffering=1)
+        self._open_tb(purge_step=0 if fresh and any((directory / "tb").glob("events.*")) else None)
 
     def _open_tb(self, purge_step: int | None = None) -> None:
         try:
@@ -220,7 +223,7 @@ class Run:
             return None
 
         self._agree(take)
-        self.logger = JsonlLogger(self.dir if self.is_main else None)
+        self.logger = JsonlLogger(self.dir if self.is_main else None, fresh=not self._checked_resume)
 
     def _check_run_dir(self):
         """Refuse to resume (or overwrite) a run dir that holds another model or data."""
@@ -328,9 +331,10 @@ class Run:
         checkpoint_prev.pth."""
         self.open()
         if self.is_main:
-            save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
-                                              "log_bytes": self.logger.size(), **state},
-                            previous=self.prev_path if name == CHECKPOINT_NAME else None)
+            with preempt.unbroken():
+                save_checkpoint(self.dir / name, {"command": self.cfg.command, "config": to_dict(self.cfg),
+                                                  "log_bytes": self.logger.size(), **state},
+                                previous=self.prev_path if name == CHECKPOINT_NAME else None)
         dist.barrier()
 
     def memory_mb(self) -> dict:
@@ -585,16 +589,19 @@ def _state_of(obj):
 
 
 def command(train):
-    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: a stop signal ends it at an
-    iteration boundary with its state saved (core.preempt); it leaves the process group
+    """The CLI entry `run(cfg)` of a trainer `train(cfg)`: a stop signal or a first Ctrl-C
+    ends it at an iteration boundary with its state saved (core.preempt); it leaves the process group
     and the run directory's lock on any exit, and turns running out of GPU memory into one
     line that says what to change."""
     def run(cfg) -> int:
         try:
-            with preempt.watch():
+            with preempt.watch(ctrl_c=True):
                 train(cfg)
         except torch.OutOfMemoryError:
             raise UserError(out_of_memory_message(cfg)) from None
+        except KeyboardInterrupt:  # a second Ctrl-C (core.preempt)
+            raise KeyboardInterrupt(f"stopped at once by a second Ctrl-C; the same command continues from the last "
+                                    f"checkpoint in {run_dir(cfg)}, if there is one") from None
         finally:
             release_all()
             dist.cleanup()

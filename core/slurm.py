@@ -96,7 +96,8 @@ def submit(cfg, argv: list[str], main):
         executor = submitit.AutoExecutor(folder=per_job, cluster=cfg.slurm.cluster,
                                          slurm_max_num_timeout=timeouts, local_max_num_timeout=timeouts)
         executor.update_parameters(**executor_parameters(cfg))
-        job = executor.submit(Job([*job_argv(argv), "launcher=local", f"out={directory}"], main))
+        # out_ok: the run dir passed its checks here; the job finds submitit's slurm/ folder in it
+        job = executor.submit(Job([*job_argv(argv), "out_ok=true", "launcher=local", f"out={directory}"], main))
     except (RuntimeError, ValueError, OSError) as e:  # submitit's submission errors are RuntimeErrors
         raise UserError(f"could not submit the job: {str(e).strip().splitlines()[0]}") from None
     s = cfg.slurm

@@ -99,13 +99,14 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
 def split_features(cfg, bb: Backbone, split: str, n_last_blocks: int = 1) -> dict:
     """features_for one split with the command's config (cache dir, batch, workers); an
     unwritable cache dir fails before the extraction, not after it."""
+    cache_dir = cfg.features.cache_dir or default_cache_dir(bb.info, cfg.out)
     if cfg.features.cache and dist.is_main():
-        check_writable(cfg.features.cache_dir or default_cache_dir(bb.info), "the feature cache",
+        check_writable(cache_dir, "the feature cache",
                        "set features.cache_dir=<a directory you can write>, or features.cache=false")
     return features_for(
         bb.model, bb.info, cfg.data, split, device=bb.device,
         batch_size=int(cfg.features.batch_size), num_workers=int(cfg.num_workers),
-        n_last_blocks=n_last_blocks, cache_dir=cfg.features.cache_dir,
+        n_last_blocks=n_last_blocks, cache_dir=cache_dir,
         use_cache=bool(cfg.features.cache), amp_dtype=bb.amp_dtype, log=log)
 
 

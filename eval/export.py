@@ -23,9 +23,12 @@ TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (3
               (768, 24, 8): "resmlp_big_24_224"}
 
 
-def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None) -> tuple[Path, Path]:
+def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None,
+           replace: bool = False) -> tuple[Path, Path]:
     """Write the backbone of `spec` (DINO: its `key` network) for use outside this project,
-    and a JSON beside it that says what it is and how to load it. Returns both paths.
+    and a JSON beside it that says what it is and how to load it. Returns both paths. An
+    earlier export of other weights at the same place is refused unless `replace`
+    (out_ok=true on the command line); one of the same weights is written again.
 
     timm         timm's keys (.pth): timm.create_model(<timm name>, pretrained=True,
                  num_classes=0, pretrained_cfg_overlay=dict(file=...)) loads it
@@ -42,6 +45,8 @@ def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None
     base = Path(out) if out else (Path(info["path"]).parent / "export")
     stem = f"{info['model']}_{info['key'] or 'backbone'}_{fmt}"
     weights = base / (stem + (".safetensors" if fmt == "safetensors" else ".pth"))
+    if not replace:
+        check_replaces(weights, info)
     base.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file
@@ -51,6 +56,24 @@ def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None
             torch.save(export_state_dict(sd, fmt), f)
     card = export_card(info, fmt, weights)
     return weights, write_json(weights.with_suffix(".json"), card)
+
+
+def check_replaces(weights: Path, info: Mapping) -> None:
+    """UserError when `weights` or its card exists and the card does not say it holds the
+    same weights (info["weights_hash"]): an export of other weights is not written over."""
+    card_path = weights.with_suffix(".json")
+    if not (weights.exists() or card_path.exists()):
+        return
+    try:
+        source = json.loads(card_path.read_text()).get("source") or {}
+    except (OSError, ValueError, AttributeError):
+        source = {}
+    if source and source.get("weights_hash") == info.get("weights_hash"):
+        return
+    what = (f"an export of other weights ({source.get('spec')}, epoch {source.get('epoch')})" if source
+            else "a file no export card describes")
+    raise UserError(f"{weights if weights.exists() else card_path} holds {what}; choose another out=, or pass "
+                    "out_ok=true to replace it")
 
 
 def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
@@ -117,6 +140,7 @@ def results_dir(cfg) -> Path | None:
 
 def run(cfg) -> int:
     """bash run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student] [out=...]"""
-    weights, card = export(cfg.checkpoint, str(cfg.export.format), str(cfg.features.key), cfg.out)
+    weights, card = export(cfg.checkpoint, str(cfg.export.format), str(cfg.features.key), cfg.out,
+                           replace=bool(cfg.out_ok))
     print(f"wrote {weights}\nwrote {card}", flush=True)
     return 0

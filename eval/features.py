@@ -16,14 +16,17 @@ format hit the same entry), the dataset (name, root, data=folder's file list, su
 transform (its repr plus img_size, crop_ratio, mean, std), n_last_blocks and the
 autocast dtype. Files: <cache_dir>/<split>-<key hash>.pt holding features, labels,
 classes and the key itself. cache_dir: `features.cache_dir` if set, else the
-`features/` folder of the checkpoint's run dir (this project's checkpoints), else
-runs/.cache/features (timm: models and foreign files, whose folders we do not write
-into). The next k-NN or linear run on the same checkpoint and data reuses them.
+`features/` folder of the checkpoint's run dir (this project's checkpoints), else (timm:
+models and foreign files, whose folders we do not write into) `<out>/features` when out=
+is given, else the user's cache folder, $XDG_CACHE_HOME/resmlp/features or
+~/.cache/resmlp/features (never the installed tree). The next k-NN or linear run on the
+same checkpoint and data reuses them.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -37,7 +40,6 @@ from resmlp.core.checkpoint import atomic_write
 from resmlp.core.errors import UserError
 
 CACHE_VERSION = 1
-DEFAULT_SHARED_CACHE = Path("runs") / ".cache" / "features"
 
 
 # --------------------------------------------------------------------------- extraction
@@ -208,10 +210,21 @@ def key_digest(key: Mapping) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def default_cache_dir(info: Mapping) -> Path:
-    """<run dir>/features for this project's checkpoints, else runs/.cache/features."""
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/resmlp/features, else ~/.cache/resmlp/features (the XDG base
+    directory rules: a relative XDG_CACHE_HOME is ignored)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
+    return base / "resmlp" / "features"
+
+
+def default_cache_dir(info: Mapping, out=None) -> Path:
+    """<run dir>/features for this project's checkpoints, else <out>/features, else
+    user_cache_dir()."""
     rd = info.get("run_dir")
-    return Path(rd) / "features" if rd else DEFAULT_SHARED_CACHE
+    if rd:
+        return Path(rd) / "features"
+    return Path(out).expanduser() / "features" if out else user_cache_dir()
 
 
 def cache_path(cache_dir, key: Mapping) -> Path:
@@ -234,6 +247,7 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
                  cache_dir=None, use_cache: bool = True, amp_dtype: torch.dtype | None = None,
                  transform=None, log: Callable[[str], None] | None = print) -> dict:
     """Eval-transform features of one split of data_cfg, from the cache or extracted.
+    cache_dir: default default_cache_dir(info).
 
     batch_size is global (each process extracts its shard: dist.share). transform: default
     resmlp.data.build_eval_transform.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
+from resmlp.core.preempt import CTRL_C_REPEAT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -233,6 +234,108 @@ def test_supervised_loop_stops_on_sigusr1_and_resumes_to_the_same_weights(tmp_pa
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"iteration {stopped_at})" in resumed.stdout
     assert_same_weights(weights(tmp_path / "whole", keys=("model",)), weights(out, keys=("model",)))
+
+
+# ---- Ctrl-C: the first as SIGTERM (exit 130), a second stops at once ----------------------------------
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What a terminal does: SIGINT to every process of its foreground group, loader workers too."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def clean(stderr: str) -> bool:
+    return "Traceback" not in stderr and "Exception ignored" not in stderr and "KeyboardInterrupt" not in stderr
+
+
+def test_a_first_ctrl_c_is_noted_and_a_second_stops_at_once(monkeypatch):
+    from resmlp.core import preempt
+    monkeypatch.setattr(preempt, "CTRL_C_REPEAT_S", 0.2)
+    with preempt.watch(ctrl_c=True):
+        signal.raise_signal(signal.SIGINT)
+        assert preempt.requested() and preempt.received() == "SIGINT"
+        signal.raise_signal(signal.SIGINT)   # the same Ctrl-C again (torchrun passes it on)
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@needs_fmnist
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["dino", "supervised"])
+def test_ctrl_c_stops_at_the_iteration_with_a_checkpoint_and_resumes(tmp_path, command, request):
+    """DINO ends with the uninterrupted run's weights (whose loader has no workers: their
+    number sets the CPU threads, and so the rounding); the supervised run's loader workers
+    get the Ctrl-C too, and ignore it."""
+    if command == "dino":
+        args = [*DINO]
+    else:
+        args = ["supervised", "resmlp_s12", *SUPERVISED, "num_workers=2"]
+    out = tmp_path / "cut"
+    proc = subprocess.Popen(cli(*args, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_training(proc, out)
+    ctrl_c(proc)
+    cut = finish(proc)
+    assert cut.returncode == 130 and clean(cut.stderr), cut.stderr[-3000:]
+    stopped_at = torch.load(out / "checkpoint.pth", weights_only=False)["iteration"]
+    assert 1 <= stopped_at < TOTAL and logged_iteration(out) == stopped_at
+    err = cut.stderr.strip().splitlines()
+    assert err[0].startswith("Ctrl-C: the run stops after this iteration") and len(err) == 2, err
+    assert err[-1].startswith(f"stopped by SIGINT after iteration {stopped_at} of {TOTAL}, with a checkpoint")
+    assert not (out / "run.lock").exists()
+
+    resumed = subprocess.run(cli(*args, f"out={out}"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"iteration {stopped_at})" in resumed.stdout
+    if command == "dino":
+        assert_same_weights(weights(request.getfixturevalue("uninterrupted")), weights(out))
+
+
+# The DINO trainer with each step 2.5 s longer: room to press Ctrl-C twice, CTRL_C_REPEAT_S
+# apart, within one iteration, however fast the machine.
+SLOW_STEPS = ("import sys, time\n"
+              "from resmlp.ssl import step\n"
+              "real = step.DinoStep.__call__\n"
+              "step.DinoStep.__call__ = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
+              "from resmlp.core.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_and_a_rerun_without_a_checkpoint_starts_a_clean_log(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_STEPS, *DINO, f"out={out}", "num_workers=2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_training(proc, out)
+    ctrl_c(proc)
+    while not proc.stderr.readline().startswith("Ctrl-C:"):   # the first is noted
+        assert proc.poll() is None
+    time.sleep(CTRL_C_REPEAT_S + 0.2)
+    ctrl_c(proc)
+    cut = finish(proc)
+    assert cut.returncode == 130 and clean(cut.stderr), cut.stderr[-3000:]
+    assert cut.stderr.strip().splitlines()[-1].startswith("stopped at once by a second Ctrl-C; the same command")
+    assert not (out / "run.lock").exists() and not (out / "checkpoint.pth").exists()
+    assert logged_iteration(out) == 1
+
+    again = subprocess.run(cli(*DINO, f"out={out}", "epochs=1"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_second_ctrl_c_while_a_checkpoint_is_written_stops_the_run_once_it_is(tmp_path, monkeypatch):
+    from resmlp.core import preempt
+    monkeypatch.setattr(preempt, "CTRL_C_REPEAT_S", 0.0)
+    written = []
+    with preempt.watch(ctrl_c=True):
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            with preempt.unbroken():
+                signal.raise_signal(signal.SIGINT)
+                written.append("the whole checkpoint")
+    assert written == ["the whole checkpoint"]
 
 
 # ---- the SLURM launcher ------------------------------------------------------------------------------

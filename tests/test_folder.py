@@ -269,7 +269,7 @@ def test_eval_keys_are_checked_before_any_work(tmp_path, capsys):
     argv = ["dino", "resmlp_s12", *TINY, "data=folder", f"data.root={root}", f"out={tmp_path / 'run'}"]
     for extra, why in ((["eval.data=folder"], "eval.data=folder is not allowed"),
                        (["eval.data=imagefolder"], "needs eval.root=DIR"),
-                       ([f"eval.root={tmp_path}"], "eval.data is not"),
+                       ([f"eval.root={root}"], "eval.data is not"),
                        (["eval.data=imagefolder", f"eval.root={tmp_path / 'nope'}"], "eval.root=" + str(tmp_path / "nope") + " is not there"),
                        (["eval.subset=0", "eval.data=fashion_mnist"], "eval.subset=0 is not allowed")):
         assert main([*argv, *extra]) == 2, extra

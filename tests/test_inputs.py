@@ -197,7 +197,7 @@ def test_a_small_folder_runs_the_demo_with_what_it_has_and_the_knn_advice_works(
     assert out.count("has one class (c00)") == 2
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert "one class" in results["warning"] and results["knn_k"] == 12
-    assert load_config("dino", None, [], base=None).knn.k == 20
+    assert list(load_config("dino", None, [], base=None).knn.k) == [20]
 
 
 # ---- 4. every value before the first work --------------------------------------------------------
