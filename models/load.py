@@ -3,6 +3,8 @@
     load_backbone(spec)      any checkpoint -> a frozen feature backbone (evaluators, fine-tuning, export)
     load_classifier(spec)    a trained classifier with its head (the distillation teacher)
     load_into(model, sd)     a state_dict into a built model, every mismatch named
+    init_weights(spec, model)  weights to continue training from (dino.init): checked against
+                             a built backbone, its patch grid adapted, the DINO head alongside
 
 Run state (optimizer, RNG, resume) is written and read by resmlp.core.checkpoint;
 this module reads the weights out of such files and out of everyone else's.
@@ -273,7 +275,7 @@ def resmlp_from_state_dict(sd: Mapping, where: str, config_model: Mapping | None
     return model, name, arch
 
 
-def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None):
+def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None, offline_advice: str | None = None):
     import timm
     import resmlp.models  # noqa: F401 - registers this project's names with timm too
 
@@ -301,9 +303,9 @@ def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None):
             raise
         first = (str(e).splitlines() or [type(e).__name__])[0]
         first = first if len(first) <= 120 else first[:117] + "..."
+        advice = offline_advice or (f"pass a local checkpoint file, or timm:{name}?random for random weights")
         raise UserError(f"cannot get pretrained weights for timm:{name} ({type(e).__name__}: {first}); "
-                        f"this machine may be offline: pass a local checkpoint file, or "
-                        f"timm:{name}?random for random weights") from None
+                        f"this machine may be offline: {advice}") from None
     info = {"source": "timm", "spec": spec, "path": None, "run_dir": None, "model": name,
             "arch": {}, "config": None, "key": None, "epoch": None, "pretrained": pretrained,
             "head_num_classes": None, "is_resmlp": False, "cross_patch": None}
@@ -375,6 +377,110 @@ def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: Path):
     return model, info
 
 
+# --------------------------------------------------------------------------- continuing
+
+# The architecture a backbone's weights fix, with the config key that builds each.
+_FIT = (("dim", "width", "model.dim"), ("depth", "depth", "model.depth"),
+        ("patch_size", "patch size", "model.patch_size"), ("in_chans", "input channels", "model.in_chans"),
+        ("mlp_ratio", "MLP ratio", "model.mlp_ratio"), ("norm", "norm", "model.norm"),
+        ("pooling", "pooling", "model.pooling"), ("cross_patch", "cross-patch layer", "model.cross_patch"))
+
+
+def _built_arch(model) -> dict:
+    """What a built ResMLP is, in infer_arch's terms."""
+    return {"dim": model.num_features, "depth": len(model.blocks), "patch_size": model.patch_size,
+            "in_chans": model.patch_embed.proj.in_channels,
+            "mlp_ratio": model.blocks[0].mlp.fc1.out_features / model.num_features if len(model.blocks) else None,
+            "norm": model.norm_kind, "pooling": model.pooling, "cross_patch": model.cross_patch_kind}
+
+
+def _adapt_grid(sd: dict, name: str, arch: dict, grid) -> dict:
+    """`sd` with its token-mixing weights (cross-patch, class-MLP pooling) resampled from the
+    patch grid they were trained on to `grid`: the evaluators' grid_adapt=interpolate, done
+    once on the weights instead of at every forward."""
+    from resmlp.models import create_model
+    from resmlp.models.resmlp import ClassMLPLayer, CrossPatchLinear
+    source = create_model(name, **arch, num_classes=0)
+    load_into(source, sd, "the weights")
+    source.grid_adapt = "interpolate"
+    out = dict(sd)
+    with torch.no_grad():
+        for prefix, m in source.named_modules():
+            if isinstance(m, CrossPatchLinear):
+                out[f"{prefix}.weight"], out[f"{prefix}.bias"] = (t.clone() for t in m.weights_for(grid))
+            elif isinstance(m, ClassMLPLayer):
+                out[f"{prefix}.mix.weight"] = m.mix_weight_for(grid).clone()
+    return out
+
+
+def init_weights(spec, model: nn.Module, where: str = "dino.init") -> dict:
+    """Load the weights to continue training from into `model` (a freshly built backbone,
+    num_classes=0), checked before any work; returns what was loaded (info).
+
+    spec: a checkpoint file or run dir (this project's, an official DINO one, a timm or
+    official ResMLP state_dict) or timm:<name> with timm's pretrained weights (?random: its
+    random init). Of a DINO checkpoint the teacher is taken. For this project's ResMLP the
+    weights must have its width, depth, patch size, channels, MLP ratio, norm, pooling and
+    cross-patch kind (a UserError names each that differs and the key that builds it); a
+    patch grid of another image size is adapted (the evaluators' interpolate). Any other
+    model takes a state_dict with exactly its keys and shapes.
+    info: load_backbone's fields (source, path, epoch, ...; weights_hash of the weights as
+    given), plus `head` (the teacher's DINO head of this project's checkpoint, else None),
+    `center` (its loss center, or None), `config` (its saved config, or None) and `grid`
+    ([from, to] when the patch grid was adapted, else None).
+    """
+    from resmlp.models import ResMLP, convert_state_dict
+    spec = str(spec)
+    head = center = None
+    if spec.startswith("timm:"):
+        name = spec[len("timm:"):].partition("?")[0]
+        advice = (f"fetch them on a machine that is online and pass the file as {where}=<file>: "
+                  f"torch.save(timm.create_model('{name}', pretrained=True).state_dict(), '{name}.pth'), "
+                  f"or this project's `export format=timm` of a run")
+        source, info = _timm_backbone(spec, pretrained=True, offline_advice=advice)
+        sd, what = source.state_dict(), f"timm's {type(source).__name__}"
+    else:
+        path = resolve_checkpoint_path(spec)
+        obj = load_checkpoint(path)
+        sd, info = unwrap(obj, "teacher", str(path))
+        info.update(spec=spec, path=str(path.resolve()), pretrained=None)
+        if info["source"] == "dino":
+            teacher = _strip(obj["teacher"], "module.")
+            head = {k[len("head."):]: v for k, v in teacher.items() if k.startswith("head.")} or None
+            center = obj.get("center") if isinstance(obj.get("center"), torch.Tensor) else None
+        what = f"a {info['source']} checkpoint"
+    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    info.update(head=head, center=center, grid=None, weights_hash=weights_hash(sd))
+    info.setdefault("config", None)
+    if not isinstance(model, ResMLP):
+        load_into(model, sd, f"{where}={spec}", ignore_head=True)
+        return info
+    sd = {k: v for k, v in convert_state_dict(sd).items() if not k.startswith("head.")}
+    if "patch_embed.proj.weight" not in sd or not any(k.startswith("blocks.") for k in sd):
+        raise UserError(f"{where}={spec} is {what} without a ResMLP's patch embedding and blocks "
+                        f"(keys: {_preview(sd)}): it does not fit the model's ResMLP backbone; pass ResMLP weights")
+    name, arch = infer_arch(sd, (info["config"] or {}).get("model"))
+    built = _built_arch(model)
+    differ = [f"{label} {arch.get(k)} vs the model's {built[k]} ({key})" for k, label, key in _FIT
+              if arch.get(k, built[k]) != built[k]]
+    if differ:
+        raise UserError(f"{where}={spec} does not fit the model: its {'; '.join(differ)}; build the model it was "
+                        "trained as with those keys, or pass weights of this model")
+    grid, size = tuple(model.grid_size), arch.get("img_size")
+    if size is not None and (arch["cross_patch"] in ("linear", "mlp") or arch["pooling"] == "class_mlp"):
+        hw = (size, size) if isinstance(size, int) else tuple(size)
+        trained = (hw[0] // arch["patch_size"], hw[1] // arch["patch_size"])
+        if trained != grid:
+            if arch["cross_patch"] == "mlp":
+                raise UserError(f"{where}={spec} has an MLP cross-patch layer for a {trained[0]}x{trained[1]} "
+                                f"patch grid, which cannot adapt to the model's {grid[0]}x{grid[1]}: set "
+                                f"data.img_size={hw[0]} to continue at the size it was trained at")
+            sd = _adapt_grid(sd, name, arch, grid)
+            info["grid"] = [list(trained), list(grid)]
+    load_into(model, sd, f"{where}={spec}")
+    return info
+
+
 def load_classifier(spec: str, architecture: str | None = None) -> tuple[nn.Module, str]:
     """(a trained classifier with its head, in eval mode without gradients; its name).
 
@@ -429,5 +535,5 @@ def describe(info: Mapping) -> str:
     return " ".join(str(b) for b in bits)
 
 
-__all__ = ["describe", "infer_arch", "load_backbone", "load_classifier", "load_into",
+__all__ = ["describe", "infer_arch", "init_weights", "load_backbone", "load_classifier", "load_into",
            "resmlp_from_state_dict", "unwrap", "weights_hash"]

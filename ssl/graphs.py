@@ -40,9 +40,10 @@ from resmlp.ssl.clip import clip_per_parameter
 WARMUP = 3   # uncaptured calls before the capture (torch's own examples use 3)
 
 
-def use_cuda_graphs(value, device: torch.device, world_size: int, scaler_enabled: bool) -> bool:
+def use_cuda_graphs(value, device: torch.device, world_size: int, scaler_enabled: bool,
+                    continuing: bool = False) -> bool:
     """dino.cuda_graphs: true | false | auto (on where it can be: one CUDA process, no
-    GradScaler). true where it cannot be is a UserError."""
+    GradScaler, not continuing from dino.init). true where it cannot be is a UserError."""
     text = str(value).lower()
     if text not in ("true", "false", "auto"):
         raise UserError(f"dino.cuda_graphs={value!r} is not one of true, false, auto")
@@ -55,6 +56,8 @@ def use_cuda_graphs(value, device: torch.device, world_size: int, scaler_enabled
         why = "a single process (DDP's gradient hooks are not captured here)"
     elif scaler_enabled:
         why = "bf16 or fp32 (fp16's GradScaler reads its scale on the host)"
+    elif continuing:
+        why = "a run without dino.init (its head warm-up and the backbone's learning-rate scale are not graphed)"
     if why and text == "true":
         raise UserError(f"dino.cuda_graphs=true needs {why}; set dino.cuda_graphs=false or auto")
     return why is None

@@ -62,10 +62,11 @@ class DinoHooks:
     step: Callable | None = None
 
 
-def build_networks(cfg, plan, device, hooks: DinoHooks | None = None):
+def build_networks(cfg, plan, device, hooks: DinoHooks | None = None, start=None):
     """Student and teacher for the crops of `plan` (a resmlp.data.crop_plan.CropPlan): same
     backbone + head; the teacher is a separate build that loads the student's weights
-    (lightly's weight-normed head cannot be deep-copied)."""
+    (lightly's weight-normed head cannot be deep-copied). `start` (ssl.init.Start): the
+    weights dino.init gives the backbone (and the head, where it gives one)."""
     from resmlp.models.from_config import build_model
     hooks = hooks or DinoHooks()
     backbone = hooks.backbone or (lambda model_cfg: build_model(model_cfg, num_classes=0))
@@ -78,7 +79,12 @@ def build_networks(cfg, plan, device, hooks: DinoHooks | None = None):
         student_backbone.grid_adapt = plan.grid_adapt
     dim = student_backbone.num_features
     head = hooks.head or (lambda h, dino_cfg: h)
-    student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino)).to(device)
+    student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino))
+    if start is not None and start.backbone is not None:
+        student.backbone.load_state_dict(start.backbone)
+        if start.head is not None:
+            student.head.load_state_dict(start.head)
+    student = student.to(device)
     teacher = MultiCropNet(teacher_backbone, head(build_head(dim, cfg.dino), cfg.dino)).to(device)
     teacher.load_state_dict(student.state_dict())
     for p in teacher.parameters():

@@ -4,6 +4,11 @@
     centering) -> loss (fp32; + KoLeo) -> backward -> per-parameter clipping -> frozen last
     layer in the first epoch(s) -> AdamW -> EMA of the teacher
 
+Continuing from weights (dino.init, ssl/init.py): during the head warm-up's epochs the
+student's backbone takes no gradient (so AdamW leaves it and its state alone: bitwise
+unchanged) and the teacher's EMA moves its head only; after it, the backbone's parameter
+groups learn at `lr_scale` times the schedule's rate.
+
 The step never waits for the device: nothing in it reads a tensor's value on the host.
 The loss, the teacher's health statistics and the non-finite flag accumulate on the
 device (`DinoStep.tally`, a core.engine.DeviceTally); the trainer reads them only when it
@@ -44,6 +49,9 @@ class DinoStep:
     forward_teacher: object = None
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
     graphed: object = None           # ssl.graphs.GraphedStep, with dino.cuda_graphs
+    head_warmup_epochs: int = 0      # dino.init: epochs of the head alone on the frozen backbone
+    backbone_frozen: bool = False
+    ddp: dict | None = None          # DistributedDataParallel's arguments, with more than one process
 
     @property
     def raw_student(self) -> nn.Module:
@@ -55,8 +63,9 @@ class DinoStep:
         dino.cuda_graphs: buffers the next call overwrites)."""
         if self.graphed is not None:
             return self.graphed(crops, lr, weight_decay, momentum, teacher_temp, epoch)
+        self.freeze_backbone(epoch < self.head_warmup_epochs)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
             if g.get("name") == "decay":
                 g["weight_decay"] = weight_decay
         loss, t_out, center, stats = self.forward_loss(crops, teacher_temp)
@@ -67,7 +76,10 @@ class DinoStep:
         self.raw_student.head.cancel_last_layer_gradients(epoch)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        update_teacher(self.teacher, self.raw_student, momentum)
+        if self.backbone_frozen:  # the teacher's backbone is the student's, unchanged
+            update_teacher(self.teacher.head, self.raw_student.head, momentum)
+        else:
+            update_teacher(self.teacher, self.raw_student, momentum)
         loss, t_out = loss.detach(), t_out.detach()
         self.tally.add(loss, **stats)
         return loss, t_out, center
@@ -108,34 +120,64 @@ class DinoStep:
         """What accumulated since the last read (DeviceTally.read: the sync point)."""
         return self.tally.read()
 
+    def freeze_backbone(self, frozen: bool) -> None:
+        """The student's backbone out of (or back into) training: without requires_grad it
+        gets no gradient, so the optimizer skips it and the backward stops at the head.
+        DDP is wrapped anew, since it reduces the gradients of the parameters that required
+        one when it was made (the same weights on every rank: nothing changes)."""
+        if frozen == self.backbone_frozen:
+            return
+        self.raw_student.backbone.requires_grad_(not frozen)
+        self.backbone_frozen = frozen
+        if self.ddp is not None:
+            self.student = torch.nn.parallel.DistributedDataParallel(self.raw_student, **self.ddp)
+            if self.forward_student is not None:
+                self.forward_student = torch.compile(self.student)
 
-def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
+
+def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False,
+                    backbone_lr_scale: float | None = None) -> torch.optim.Optimizer:
     """AdamW over our parameter groups; fused into one kernel per group on CUDA (the
-    same update, without a launch per parameter); capturable for a CUDA graph."""
+    same update, without a launch per parameter); capturable for a CUDA graph. With
+    backbone_lr_scale (dino.init) each group is split into the backbone's part, which
+    learns at that scale of the rate (its `lr_scale`), and the head's."""
     from resmlp.core.optim import param_groups
-    return torch.optim.AdamW(param_groups(model), lr=0.0, weight_decay=0.0, fused=device.type == "cuda",
+    groups = param_groups(model)
+    if backbone_lr_scale is not None:
+        backbone = {id(p) for p in model.backbone.parameters()}
+        groups = [{**g, "params": [p for p in g["params"] if (id(p) in backbone) == inside],
+                   **({"lr_scale": float(backbone_lr_scale)} if inside else {})}
+                  for inside in (True, False) for g in groups]
+    return torch.optim.AdamW(groups, lr=0.0, weight_decay=0.0, fused=device.type == "cuda",
                              capturable=capturable)
 
 
 def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScaler | None = None,
-                    autocast=contextlib.nullcontext, world_size: int = 1, hooks=None) -> DinoStep:
+                    autocast=contextlib.nullcontext, world_size: int = 1, hooks=None, start=None) -> DinoStep:
     """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
     `cfg` says, for the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs
-    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies)."""
+    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies). `start`
+    (ssl.init.Start): the weights dino.init gives, the head warm-up and the backbone's
+    learning-rate scale."""
     from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
-    graphs = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, world_size, scaler.is_enabled())
-    student, teacher = build_networks(cfg, plan, device, hooks)
+    graphs = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, world_size, scaler.is_enabled(),
+                             continuing=start is not None)
+    student, teacher = build_networks(cfg, plan, device, hooks, start)
     loss_fn = build_dino_loss(cfg.dino).to(device)
-    optimizer = build_optimizer(student, device, capturable=graphs)
+    if start is not None and start.center is not None and start.center.shape == loss_fn.center.shape:
+        loss_fn.center.copy_(start.center)   # the loaded head's outputs, centered as they were
+    optimizer = build_optimizer(student, device, capturable=graphs,
+                                backbone_lr_scale=start.lr_scale if start is not None else None)
+    warmup = start.warmup_epochs if start is not None else 0
     trained = student
-    if world_size > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            student, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = {"device_ids": [device.index] if device.type == "cuda" else None} if world_size > 1 else None
+    if ddp is not None:
+        trained = torch.nn.parallel.DistributedDataParallel(student, **ddp)
     step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast,
-                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)))
+                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup, ddp=ddp)
     if cfg.compile:
         step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
     if graphs:

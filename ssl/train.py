@@ -24,6 +24,7 @@ from resmlp.data.folder import FileLists
 from resmlp.data.resumable import build_train_loader
 from resmlp.eval.knn import check_ks
 from resmlp.ssl.health import CollapseWatch, collapse_kl, collapse_warning, drift_advice
+from resmlp.ssl.init import continuing
 from resmlp.ssl.networks import DinoHooks
 from resmlp.ssl.step import build_dino_step
 
@@ -109,6 +110,7 @@ def train(cfg, hooks: DinoHooks | None = None):
     fitted = fit_demo_subset(cfg, lists)
     run = Run(cfg)
     device = run.device
+    start = continuing(cfg, run, hooks)  # dino.init: where the weights start (ssl/init.py), checked first
 
     # ---- data: the multi-crop views of the training split ----------------------------------
     plan = crop_plan(cfg)
@@ -131,7 +133,7 @@ def train(cfg, hooks: DinoHooks | None = None):
             run.print(f"warning: {note}")
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size, hooks)
+    step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size, hooks, start)
     if hooks.step:
         hooks.step(step, cfg)
     student, teacher = step.student, step.teacher
@@ -149,11 +151,14 @@ def train(cfg, hooks: DinoHooks | None = None):
     state = {"student": step.raw_student, "teacher": teacher, "optimizer": step.optimizer,
              "center": step.loss_fn.center, "scaler": run.scaler, "collapse": collapse}
     start_it, results = run.restore(**state)
+    if start is not None and not start_it:
+        results["init_from"] = start.record()
+        run.print(describe_start(start))
     lists.save()  # the folder's list, into the run dir that exists now
     knn_images = {}  # the eval images, loaded and transformed once for every k-NN of the run
     cadence = Cadence(run, ipe, start_it, results, state, tally=step.tally)
     with cadence.evaluating():
-        if judge is not None and not start_it and (demo or cfg.eval_every):
+        if judge is not None and not start_it and (demo or cfg.eval_every or start is not None):
             results["init"] = knn_report(run, teacher.backbone, cfg, "teacher at init", cache=knn_images,
                                          picture_step=0 if cfg.eval_every else None)
             run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
@@ -201,11 +206,14 @@ def train(cfg, hooks: DinoHooks | None = None):
         warning = collapse_warning(entropy, cfg.dino.out_dim) if entropy is not None else None
         if warning:
             run.print(f"warning: {warning}")
-        if judge is not None and cadence.eval_due(epoch + 1):  # <- sync point: the k-NN
+        warmed = start is not None and epoch + 1 == start.warmup_epochs  # the head warm-up ends here
+        if judge is not None and (cadence.eval_due(epoch + 1) or warmed):  # <- sync point: the k-NN
             with cadence.evaluating():
                 res = knn_report(run, teacher.backbone, cfg, f"epoch {epoch + 1}", cache=knn_images,
                                  picture_step=it)
             run.log({"epoch": epoch + 1, **res, "elapsed_s": round(time.time() - run.started, 1)}, step=it)
+            if warmed:
+                results["after_warmup"] = res
         cadence.checkpoint(it)
 
     # ---- the end: the teacher's k-NN (and linear probe) on the test split ---------------------
@@ -236,19 +244,36 @@ def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
     if init and final and run.is_main:
         pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
                   if "pixels" in results else "")
-        run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {final['knn_top1']:.2f} after {cfg.epochs} "
+        warm = results.get("after_warmup")
+        warm = f"{warm['knn_top1']:.2f} after the head warm-up -> " if warm else ""
+        run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {warm}{final['knn_top1']:.2f} after {cfg.epochs} "
                   f"epochs ({final['knn_top1'] - init['knn_top1']:+.2f}){pixels}")
     if final and run.is_main:
         print(f"knn top1={final['knn_top1']:.2f} top5={final['knn_top5']:.2f} "
               f"(k={final['knn_k']}, T={float(cfg.knn.temperature):g})")
     return {"command": "dino", "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
             "demo": bool(cfg.demo), "local_crops": cfg.dino.local_crops,
+            **({"init_from": results["init_from"]} if "init_from" in results else {}),
+            **{f"after_warmup_{k}": v for k, v in results.get("after_warmup", {}).items()},
             "params": sum(p.numel() for p in teacher.backbone.parameters()),
             "train_images_per_s": round(images_per_s, 1), **run.memory_mb(),
             **{f"init_{k}": v for k, v in results.get("init", {}).items()},
             **{f"pixels_{k}": v for k, v in results.get("pixels", {}).items()}, **final,
             "eval_data": results.get("eval_data"),
             **({"warning": results["warning"]} if "warning" in results else {})}
+
+
+def describe_start(start) -> str:
+    """One line: where the weights came from and how the run continues them."""
+    info = start.info or {}
+    grid = info.get("grid")
+    where = f"{info.get('source')}" + (f", epoch {info['epoch']}" if info.get("epoch") is not None else "") + \
+        (f", patch grid {grid[0][0]}x{grid[0][1]} adapted to {grid[1][0]}x{grid[1][1]}" if grid else "")
+    head = ("its DINO head" if start.head_loaded else
+            f"a new head, first {start.warmup_epochs} epoch(s) alone on the frozen backbone" if start.warmup_epochs
+            else "a new head (no warm-up)")
+    return (f"continuing from {start.spec} ({where}; weights {info.get('weights_hash')}): {head}; the backbone at "
+            f"{start.lr_scale:g} x the learning rate")
 
 
 run = command(train)  # the CLI's entry: resmlp.core.cli calls run(cfg)

@@ -189,9 +189,10 @@ def test_path_keys_are_kept_absolute_so_a_saved_config_means_the_same_files_anyw
     monkeypatch.chdir(tmp_path)
     cfg = load_config("dino", "resmlp_s12", ["demo=false", "data=folder", "data.root=imgs", "out=runs/x",
                                              "eval.data=imagefolder", "eval.root=../labeled",
-                                             "features.cache_dir=~/cache"])
+                                             "features.cache_dir=~/cache", "dino.init=w/teacher.pth"])
     assert cfg.data.root == str(tmp_path / "imgs") and cfg.out == str(tmp_path / "runs" / "x")
     assert cfg.eval.root == str(tmp_path.parent / "labeled")
     assert cfg.features.cache_dir == os.path.expanduser("~/cache")
+    assert cfg.dino.init == str(tmp_path / "w" / "teacher.pth")
     assert load_config("knn", None, [f"checkpoint={RANDOM}"]).checkpoint == RANDOM  # a timm: spec is no path
     assert load_config("distill", "resmlp_s12", ["distill.teacher=t.pth"]).distill.teacher == str(tmp_path / "t.pth")

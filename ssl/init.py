@@ -1,0 +1,152 @@
+"""Continuing DINO from weights: `dino.init=<checkpoint | run dir | timm:name>`.
+
+The student's and the teacher's backbones start from those weights (models.load.init_weights:
+the fit checked, the patch grid adapted). The head comes from the same checkpoint when it
+is this project's DINO checkpoint (`dino.init_head=auto|true|false`), else it is new; a new
+head first learns alone for `dino.head_warmup_epochs` on the frozen backbone (ssl/step.py:
+the backbone's parameters get no gradient and no update, the teacher follows the student's
+head only), then the backbone joins at `dino.init_lr_scale` times the schedule's learning
+rate. Why the defaults are what they are: configs/method/dino.yaml.
+
+`continuing(cfg, run)` runs before any work. It refuses, in one line each: dino.init on a
+run dir that holds the state of a run started otherwise (resume and dino.init would mean
+two different starts), weights that do not fit the model, timm weights that cannot be had
+offline, a head that does not fit dino's head sizes, and a warm-up that leaves the backbone
+no epoch. A run started from dino.init and resumed (a requeue, the same command again)
+continues from its own checkpoint; the init keys are then the ones it started with.
+config.yaml keeps where the run started (dino.init resolved to the file, dino.init_head
+to true or false); results.json too, with the k-NN at the start, after the warm-up and at
+the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from resmlp.core.errors import UserError
+
+INIT_KEYS = ("init", "init_head", "head_warmup_epochs", "init_lr_scale")
+
+
+@dataclass
+class Start:
+    """Where a run started and how it continues. `backbone`, `head` and `center` are the
+    state to load (None on resume: the run's checkpoint holds every weight)."""
+    spec: str
+    head_loaded: bool
+    warmup_epochs: int            # epochs of the head alone on the frozen backbone (0: none)
+    lr_scale: float               # the backbone's learning rate, times the schedule's
+    info: dict | None = None      # what models.load.init_weights loaded
+    backbone: dict | None = None
+    head: dict | None = None
+    center: torch.Tensor | None = None
+
+    def record(self) -> dict:
+        """results.json's `init_from`."""
+        out = {"spec": self.spec, "head": "loaded" if self.head_loaded else "new",
+               "head_warmup_epochs": self.warmup_epochs, "lr_scale": self.lr_scale}
+        if self.info:
+            out.update({k: self.info.get(k) for k in ("source", "path", "model", "epoch", "weights_hash", "grid")})
+        return out
+
+
+def init_key(spec) -> str | None:
+    """dino.init as config.yaml keeps it: timm:<name> as given, a path as the absolute path
+    of the checkpoint file (a run dir's checkpoint.pth), whether or not it exists now."""
+    if spec is None or str(spec).startswith("timm:"):
+        return None if spec is None else str(spec)
+    path = Path(str(spec)).expanduser().resolve()
+    return str(path / CHECKPOINT_NAME if path.is_dir() else path)
+
+
+def _saved_dino(run) -> dict | None:
+    """The dino section the run dir's state was saved with; None when it holds no state."""
+    if not (run.ckpt_path.exists() or run.prev_path.exists()):
+        return None
+    saved = run.dir / "config.yaml"
+    if saved.exists():
+        cfg = OmegaConf.to_container(OmegaConf.load(saved))
+    else:
+        cfg = load_checkpoint(run.ckpt_path if run.ckpt_path.exists() else run.prev_path).get("config") or {}
+    return dict(cfg.get("dino") or {})
+
+
+def continuing(cfg, run, hooks=None) -> Start | None:
+    """The start of a DINO run (None: from scratch), checked before any work; see the
+    module docstring. Sets dino.init and dino.init_head in `cfg` to what config.yaml keeps."""
+    d = cfg.dino
+    saved = _saved_dino(run)
+    if saved is not None:
+        was = saved.get("init")
+        if d.init is not None and init_key(d.init) != was:
+            started = f"started from {was}" if was else "started without dino.init"
+            raise UserError(f"{run.dir} holds a run of its own ({started}) and dino.init={d.init} asks for another "
+                            f"start: drop dino.init to continue that run, or pass out=<another dir> to start a "
+                            f"new one from {d.init}")
+        if was is None:
+            return None
+        for key in INIT_KEYS:   # the resumed run continues as it started
+            d[key] = saved.get(key, d[key])
+        return Start(was, bool(d.init_head), _warmup(cfg, bool(d.init_head)), float(d.init_lr_scale))
+    if d.init is None:
+        return None
+    return _load(cfg, hooks)
+
+
+def _warmup(cfg, head_loaded: bool) -> int:
+    return 0 if head_loaded else int(cfg.dino.head_warmup_epochs)
+
+
+def _load(cfg, hooks) -> Start:
+    """Load dino.init into a backbone built as the student's (its fit and grid checked) and
+    pick the head, without touching the run's random numbers."""
+    from resmlp.models.from_config import build_model
+    from resmlp.models.load import init_weights
+    from resmlp.ssl.head import build_head
+    d = cfg.dino
+    build = (hooks.backbone if hooks is not None and hooks.backbone else
+             (lambda model_cfg: build_model(model_cfg, num_classes=0)))
+    with torch.random.fork_rng(devices=[]):
+        backbone = build(cfg.model)
+        info = init_weights(d.init, backbone)
+        head = build_head(backbone.num_features, d) if info["head"] is not None else None
+    ask = d.init_head
+    if ask is True and info["head"] is None:
+        raise UserError(f"dino.init_head=true: dino.init={d.init} is {_what(info)}, which has no DINO head of this "
+                        "project; set dino.init_head=auto (or false) to start a new head")
+    head_loaded = info["head"] is not None and ask is not False
+    if head_loaded:
+        _check_head(head, info, d)
+    warmup = _warmup(cfg, head_loaded)
+    if warmup >= int(cfg.epochs):
+        raise UserError(f"dino.head_warmup_epochs={warmup} leaves the backbone no epoch of epochs={cfg.epochs}: "
+                        f"set dino.head_warmup_epochs below {cfg.epochs}")
+    spec = init_key(d.init)
+    d.init, d.init_head = spec, head_loaded
+    return Start(spec, head_loaded, warmup, float(d.init_lr_scale), info, backbone.state_dict(),
+                 info["head"] if head_loaded else None, info["center"] if head_loaded else None)
+
+
+def _what(info: dict) -> str:
+    return {"timm": "timm's weights", "dino-official": "an official DINO checkpoint"}.get(
+        info["source"], f"a {info['source']} checkpoint")
+
+
+def _check_head(head, info: dict, d) -> None:
+    """The checkpoint's head must have this run's head sizes: one line naming them."""
+    own = head.state_dict()
+    theirs = info["head"]
+    if set(own) == set(theirs) and all(own[k].shape == theirs[k].shape for k in own):
+        return
+    saved = (info.get("config") or {}).get("dino") or {}
+    sizes = "; ".join(f"dino.{k} {saved.get(k, '?')} vs {d[k]}" for k in ("out_dim", "hidden_dim", "bottleneck_dim")
+                      if saved.get(k) != d[k]) or "its keys or shapes differ"
+    fix = " ".join(f"dino.{k}={saved[k]}" for k in ("out_dim", "hidden_dim", "bottleneck_dim")
+                   if k in saved and saved[k] != d[k])
+    raise UserError(f"dino.init={d.init}: its DINO head does not fit this run's ({sizes}); set "
+                    f"{fix or 'the head sizes it was trained with'} to continue its head, or dino.init_head=false "
+                    "for a new one")
