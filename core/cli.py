@@ -209,6 +209,16 @@ def unwrap_user_error(e: BaseException) -> UserError | None:
     return None
 
 
+def out_of_memory(e: BaseException) -> str | None:
+    """The first line of torch's allocation failure (CUDA's OutOfMemoryError, or the CPU
+    allocator's RuntimeError), None for any other error. By name and text: the CLI does not
+    import torch before it has to."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+        return text
+    return None
+
+
 def main(argv: list[str] | None = None, run=None) -> int:
     """The CLI. `run`: an entry `run(cfg)` to use in place of the command's own (a study's
     trainer with its extension points, studies/); the config, errors and exit codes stay
@@ -254,8 +264,14 @@ def main(argv: list[str] | None = None, run=None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C outside a training loop, or a trainer's second one
         print(str(e) or "interrupted", file=sys.stderr)
         return preempt.CTRL_C_EXIT
-    except Exception as e:  # noqa: BLE001 - only user errors are turned into one line
+    except Exception as e:  # noqa: BLE001 - only user errors and memory are turned into one line
         user = unwrap_user_error(e)
+        if user is None and (oom := out_of_memory(e)) is not None:
+            # a training run's last checkpoint is untouched: the same command resumes it
+            print(f"error: out of memory ({oom}); lower batch_size (or data.img_size, dino.out_dim, the "
+                  "model), or run on a device with more memory, then run the same command again",
+                  file=sys.stderr)
+            return 1
         if user is None:
             raise
         print(f"error: {user}", file=sys.stderr)

@@ -169,6 +169,30 @@ def test_a_real_full_file_system_is_named_too(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+def test_running_out_of_memory_is_one_line_that_says_what_to_lower(tmp_path, capsys, monkeypatch):
+    """The CPU allocator's failure (a real one: more bytes than any machine has) and CUDA's
+    OutOfMemoryError end in one line, exit 1, not torch's traceback; any other error is
+    still raised as it is."""
+    monkeypatch.chdir(tmp_path)
+
+    def too_big(cfg):
+        torch.empty(2**50, dtype=torch.uint8)
+
+    def cuda_full(cfg):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nmore lines")
+
+    for run, said in ((too_big, "can't allocate memory"), (cuda_full, "CUDA out of memory. Tried to allocate")):
+        assert main(["dino", "resmlp_s12", f"out={tmp_path / 'run'}"], run=run) == 1
+        line = one_line_error(capsys)
+        assert line.startswith("error: out of memory (") and said in line and "lower batch_size" in line, line
+
+    def bug(cfg):
+        raise RuntimeError("shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        main(["dino", "resmlp_s12", f"out={tmp_path / 'run'}"], run=bug)
+
+
 # ---- 3. advice that can be followed -----------------------------------------------------------
 def test_null_is_taken_where_the_limit_allows_it_and_messages_say_where_a_value_came_from():
     cfg = load_config("dino", "resmlp_s12", ["demo=true", "data.subset=null"])
