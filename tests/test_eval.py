@@ -315,11 +315,11 @@ def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, caps
 
 
 def test_few_label_knn_and_linear_commands(mini_fmnist, run_dir, tmp_path, capsys):
-    """knn.n_per_class / linear.n_per_class on the cached features: the tables and the
+    """n_per_class= and tries= (knn.* / linear.*) on the cached features: the tables and the
     JSON hold mean and std per n (and k); a clipped k is said once; refused before work
     where the mode cannot take them."""
     common = [f"data.root={mini_fmnist}", "num_workers=0", "device=cpu", f"features.cache_dir={tmp_path}/cache"]
-    assert cli("knn", run_dir, *common, "k=5,20", "knn.n_per_class=[1,5]", "knn.tries=3", f"out={tmp_path}/k") == 0
+    assert cli("knn", run_dir, *common, "k=5,20", "n_per_class=[1,5]", "tries=3", f"out={tmp_path}/k") == 0
     out = capsys.readouterr().out
     assert "k-NN with few labels" in out and "±" in out
     assert out.count("n=1: k=20 clipped to the bank's 10 images") == 1     # once, not once per try
@@ -331,8 +331,8 @@ def test_few_label_knn_and_linear_commands(mini_fmnist, run_dir, tmp_path, capsy
     assert cell["k_used"] == 10 and len(cell["tries"]) == 3 and {"top1", "top1_std", "top5", "top5_std"} <= set(cell)
     assert 0 <= cell["top1"] <= 100 and cell["top1_std"] >= 0
 
-    assert cli("linear", run_dir, *common, "linear.epochs=2", "linear.lrs=[0.01,0.1]", "linear.n_per_class=[2]",
-               "linear.tries=2", f"out={tmp_path}/l") == 0
+    assert cli("linear", run_dir, *common, "linear.epochs=2", "linear.lrs=[0.01,0.1]", "n_per_class=[2]",
+               "tries=2", f"out={tmp_path}/l") == 0   # the same two short keys as knn's
     out = capsys.readouterr().out
     assert "features: loaded from cache" in out and "linear probe with few labels" in out
     lin = json.loads((tmp_path / "l" / "linear.json").read_text())["low_shot"]
