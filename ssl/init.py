@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from resmlp.core.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from resmlp.core.checkpoint import CHECKPOINT_NAME, saved_config
 from resmlp.core.errors import UserError
 
 INIT_KEYS = ("init", "init_head", "head_warmup_epochs", "init_lr_scale")
@@ -67,12 +66,9 @@ def _saved_dino(run) -> dict | None:
     """The dino section the run dir's state was saved with; None when it holds no state."""
     if not (run.ckpt_path.exists() or run.prev_path.exists()):
         return None
-    saved = run.dir / "config.yaml"
-    if saved.exists():
-        cfg = OmegaConf.to_container(OmegaConf.load(saved))
-    else:
-        cfg = load_checkpoint(run.ckpt_path if run.ckpt_path.exists() else run.prev_path).get("config") or {}
-    return dict(cfg.get("dino") or {})
+    source = run.dir if (run.dir / "config.yaml").exists() else \
+        run.ckpt_path if run.ckpt_path.exists() else run.prev_path
+    return dict((saved_config(str(source)) or {}).get("dino") or {})
 
 
 def continuing(cfg, run, hooks=None) -> Start | None:
