@@ -106,7 +106,7 @@ def restore(folder: Path, summary: dict, campaign_dir: Path, call: int) -> str:
         s["status"], s["restart"] = "cut", True
         s["note"] = f"attempt {s['attempt']} from epoch 0 (call {call}): the checkpoint of epoch {lost:g} stayed behind"
         log = campaign_dir / RESTORED / f"{name}_log.jsonl"
-        log.parent.mkdir(parents=True, exist_ok=True)   # a call killed before the stage's first report carries no log
+        log.parent.mkdir(parents=True, exist_ok=True)  # a call killed before the stage reported carries no log
         text = log.read_text() if log.exists() else ""
         log.write_text(text + ("" if not text or text.endswith("\n") else "\n")
                        + json.dumps({"restart": s["attempt"], "call": call, "from_epoch": 0, "lost_epochs": lost})
