@@ -283,7 +283,6 @@ def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False) -
             extra["captures"] = step.graphed.captures
         if "flops" not in flops:  # counted once, on the eager modules, never through a graph
             step.graphed = None
-            step.forward_student = step.forward_teacher = None
             flops["flops"] = count_flops(lambda: call_step(step, crops))
     finally:
         step = None  # free the step's memory before the next line builds its own
