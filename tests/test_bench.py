@@ -111,7 +111,11 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
 def test_compiled_step_equals_eager():
     """torch.compile (what the trainer and bench run on a GPU; inductor on the CPU here)
     gives the same two steps as eager: loss, center, teacher; subgrid exercises the grid
-    adaptation of the cross-patch weights inside the compiled graph."""
+    adaptation of the cross-patch weights inside the compiled graph. Compiled as the
+    trainer compiles (core/compiling.py): one block, reused across the depth, once per kind
+    of call (3 graphs: the whole networks would be 2, the blocks one by one 3 x depth),
+    the networks keeping their state_dict keys."""
+    from torch._dynamo.utils import counters
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     cfg = R.dino_config(tiny_profile(), "resmlp_s12", "subgrid", ["model.drop_path_rate=0.0"])
@@ -120,12 +124,17 @@ def test_compiled_step_equals_eager():
     steps[True].student.load_state_dict(steps[False].student.state_dict())
     steps[True].teacher.load_state_dict(steps[False].teacher.state_dict())
     crops = R.synthetic_crops(plan, 4, cpu)
+    torch._dynamo.reset()
+    counters.clear()
     try:
         for _ in range(2):  # the second step sees the first one's optimizer state and EMA
             losses = {c: R.call_step(step, [x.clone() for x in crops]) for c, step in steps.items()}
             assert torch.allclose(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] == 3 and cfg.model.depth == 2
     finally:
         torch._dynamo.reset()
+    for net in ("student", "teacher"):
+        assert list(getattr(steps[True], net).state_dict()) == list(getattr(steps[False], net).state_dict())
     assert torch.allclose(steps[True].loss_fn.center, steps[False].loss_fn.center, atol=1e-5)
     eager = steps[False].teacher.state_dict()
     for key, value in steps[True].teacher.state_dict().items():
