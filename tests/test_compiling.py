@@ -117,6 +117,48 @@ def test_evaluations_run_a_compiled_network_eagerly():
     assert got_labels.tolist() == list(range(10))
 
 
+@pytest.mark.slow
+def test_the_supervised_step_compiles_the_blocks_and_leaves_its_ema_and_evaluation_eager():
+    import contextlib
+    from types import SimpleNamespace
+
+    from resmlp.models.from_config import build_model
+    from resmlp.supervised.step import build_supervised_step
+    from resmlp.supervised.train import evaluate
+    cfg = load_config("supervised", "resmlp_s12", ["demo=false", "model.dim=16", "model.depth=2", "batch_size=4",
+                                                   "aug.mixup=0", "aug.cutmix=0", "model.drop_path_rate=0",
+                                                   "ema.enabled=true", "data.img_size=32", "model.patch_size=8"])
+    run = SimpleNamespace(device=torch.device("cpu"), batch_per_rank=4, world_size=1, autocast=contextlib.nullcontext,
+                          scaler=torch.amp.GradScaler("cpu", enabled=False))
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    steps = {}
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with cheap_compile():
+            for compiled in (False, True):
+                torch.manual_seed(0)
+                cfg.compile = compiled
+                model = build_model(cfg.model, num_classes=10)
+                steps[compiled] = build_supervised_step(cfg, model, None, 10, run)
+                for it in range(2):
+                    steps[compiled](images, labels, 1e-3, it)
+            graphs = counters["stats"]["unique_graphs"]
+            loader = [(images[:3], labels[:3]), (images[3:], labels[3:])]
+            evaluate(steps[True].raw_model, loader, run.device, run.autocast)
+            evaluate(steps[True].ema.module, loader, run.device, run.autocast)
+            assert counters["stats"]["unique_graphs"] == graphs == 1  # evaluations compiled nothing
+    finally:
+        torch._dynamo.reset()
+    assert [m._compiled_call_impl is not None for m in steps[True].raw_model.blocks] == [True, True]
+    assert all(m._compiled_call_impl is None for m in steps[True].ema.module.modules())  # an eager copy
+    for a, b in ((steps[True].raw_model, steps[False].raw_model), (steps[True].ema.module, steps[False].ema.module)):
+        want = b.state_dict()
+        assert list(a.state_dict()) == list(want)
+        for key, value in a.state_dict().items():
+            torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from torch._dynamo.utils import counters
