@@ -78,8 +78,9 @@ def measure(mode: str, overrides: list[str], steps: int) -> dict:
 
 
 def line(r: dict) -> str:
-    return (f"{r['mode']:>8}: first iteration {r['first_s']:7.1f} s, steady {r['steady_s']:6.2f} s, "
-            f"compilation {r['compile_s']:7.1f} s (Dynamo's phases {r['dynamo_compile_s'] or 0:.1f} s), "
+    return (f"{r['mode']:>8}: build {r['build_s']:5.1f} s, first iteration {r['first_s']:7.1f} s, "
+            f"steady {r['steady_s']:6.3f} s, "
+            f"compilation {r['compile_s']:7.1f} s (torch's compile phases {r['dynamo_compile_s'] or 0:.1f} s), "
             f"{r['graphs']} graph(s) in {r['frames']} frame(s)")
 
 
@@ -97,7 +98,7 @@ def main(argv: list[str]) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
-        print(f"compile_cost: --modes {','.join(bad)} is not of {', '.join(MODES)}", file=sys.stderr)
+        print(f"compile_cost: --modes {','.join(bad)} is not one of {', '.join(MODES)}", file=sys.stderr)
         return 2
     results = []
     for mode in modes:

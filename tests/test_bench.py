@@ -163,3 +163,20 @@ def test_lines_needing_an_absent_package_are_skipped(monkeypatch):
     ctx.attempt("knn", {"backend": "faiss-cpu"}, lambda: R._knn_one(ctx, "faiss-cpu", data))
     ctx.attempt("knn", {"backend": "torch"}, lambda: R._knn_one(ctx, "torch", data))
     assert [r["status"] for r in ctx.results] == ["skipped", "skipped", "ok"]
+
+
+def test_compile_cost_times_each_mode_in_a_fresh_process(tmp_path, capsys):
+    """bench/compile_cost.py's plumbing (the eager mode: compiling is what costs minutes
+    here; tests/test_compiling.py checks what compile=true compiles), and its one-line
+    refusal of an unknown mode."""
+    from resmlp.bench import compile_cost
+    tiny = ["model.dim=16", "model.depth=2", "batch_size=2", "dino.out_dim=64", "dino.hidden_dim=32",
+            "dino.bottleneck_dim=16", "device=cpu"]
+    out = tmp_path / "cost.json"
+    assert compile_cost.main([*tiny, "--modes", "eager", "--steps", "2", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["mode"] == "eager" and r["graphs"] == 0 and r["batch"] == 2 and r["crops"] == "2x32+8x16"
+    assert len(r["seconds"]) == 3 and all(s > 0 for s in r["seconds"])
+    assert compile_cost.main(["--modes", "eager,fast"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["compile_cost: --modes fast is not one of eager, whole, regional"]
