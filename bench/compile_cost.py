@@ -15,7 +15,8 @@ empty Inductor cache (a fresh machine's cold start):
 
 Per mode: the first iteration's seconds, the median of the next `steps` (steady), the
 compilation seconds (first minus steady), torch's own total of its compile phases (with
-each phase in the JSON), and the graphs and frames Dynamo compiled. The device and precision are the trainer's
+each phase, and each function torch times, in the JSON: tracing, lowering, waiting for
+the kernel compiler), and the graphs and frames Dynamo compiled, and the kernels built into the cache. The device and precision are the trainer's
 (device=auto: the GPU if there is one, bf16 there). bench/NOTES.md ("Issue 34 part 3")
 has the figures.
 """
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,15 +66,18 @@ def measure(mode: str, overrides: list[str], steps: int) -> dict:
         step.read()  # the tally to the host: the step's work is done
         seconds.append(time.perf_counter() - t0)
     steady = statistics.median(seconds[1:]) if steps else float("nan")
-    try:  # torch's own seconds per compile phase (an internal helper: absent in some versions)
-        from torch._dynamo.utils import calculate_time_spent
+    try:  # torch's own seconds per compile phase and per timed function (internal helpers)
+        from torch._dynamo.utils import calculate_time_spent, compile_times
         phases = {k: round(v, 2) for k, v in calculate_time_spent().items()}
+        names, values = compile_times(repr="csv", aggregate=True)
+        functions = {k: round(float(v), 2) for k, v in zip(names, values)}
     except ImportError:
-        phases = {}
+        phases, functions = {}, {}
     return {"mode": mode, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": precision, "batch": int(cfg.batch_size), "crops": plan.label(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "build_s": build_s, "first_s": seconds[0], "steady_s": steady,
             "compile_s": seconds[0] - steady, "dynamo_compile_s": phases.get("total_wall_time"), "phases": phases,
+            "functions": functions,
             "graphs": int(counters["stats"]["unique_graphs"]), "frames": int(counters["frames"]["ok"]),
             "seconds": seconds}
 
@@ -81,7 +86,7 @@ def line(r: dict) -> str:
     return (f"{r['mode']:>8}: build {r['build_s']:5.1f} s, first iteration {r['first_s']:7.1f} s, "
             f"steady {r['steady_s']:6.3f} s, "
             f"compilation {r['compile_s']:7.1f} s (torch's compile phases {r['dynamo_compile_s'] or 0:.1f} s), "
-            f"{r['graphs']} graph(s) in {r['frames']} frame(s)")
+            f"{r['graphs']} graph(s) in {r['frames']} frame(s), {r['kernels']} kernel(s) built")
 
 
 def main(argv: list[str]) -> int:
@@ -108,11 +113,13 @@ def main(argv: list[str]) -> int:
                    *args.overrides]
             t0 = time.perf_counter()
             out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+            # the kernels compiled: C++ libraries on a CPU, Triton binaries on a GPU
+            kernels = sum(1 for p in Path(cache).rglob("*") if p.suffix in (".so", ".cubin"))
         found = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if out.returncode or not found:
             print(f"{mode:>8}: failed (exit {out.returncode})", flush=True)
             continue
-        r = {**json.loads(found[-1][len("RESULT "):]), "process_s": time.perf_counter() - t0}
+        r = {**json.loads(found[-1][len("RESULT "):]), "process_s": time.perf_counter() - t0, "kernels": kernels}
         results.append(r)
         print(line(r), flush=True)
     if results:
