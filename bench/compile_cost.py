@@ -1,5 +1,6 @@
 """What `compile=true` costs before the DINO step runs at speed:
-`python -m resmlp.bench.compile_cost [dino overrides] [--modes whole,regional] [--steps N] [--json F]`.
+`python -m resmlp.bench.compile_cost [dino overrides] [--modes whole,regional] [--steps N] [--json F]
+[--interleave ROUNDS]`.
 
 Builds the trainer's step (resmlp.ssl.step.build_dino_step) for `dino resmlp_s12` with the
 overrides (default: the Fashion-MNIST preset: ResMLP-S12 at 32 px, patch 4, 2 global crops
@@ -16,9 +17,11 @@ empty Inductor cache (a fresh machine's cold start):
 Per mode: the first iteration's seconds, the median of the next `steps` (steady), the
 compilation seconds (first minus steady), torch's own total of its compile phases (with
 each phase, and each function torch times, in the JSON: tracing, lowering, waiting for
-the kernel compiler), and the graphs and frames Dynamo compiled, and the kernels built into the cache. The device and precision are the trainer's
-(device=auto: the GPU if there is one, bf16 there). bench/NOTES.md ("Issue 34 part 3")
-has the figures.
+the kernel compiler), the graphs and frames Dynamo compiled, and the kernels built into
+the cache. With `--interleave ROUNDS` it times the steady step only: every mode's step
+built in one process and the modes taken in turn, which a machine shared with other jobs
+needs for a fair comparison. The device and precision are the trainer's (device=auto:
+the GPU if there is one, bf16 there). bench/NOTES.md ("Issue 34 part 3") has the figures.
 """
 from __future__ import annotations
 
@@ -37,12 +40,10 @@ import torch
 MODES = ("eager", "whole", "regional")
 
 
-def measure(mode: str, overrides: list[str], steps: int) -> dict:
-    """One mode in this process: the build, the first iteration and `steps` more."""
-    from torch._dynamo.utils import counters
-
-    from resmlp.bench.rows import LR, MOMENTUM, TEACHER_TEMP, WD, autocast_for, synthetic_crops
-    from resmlp.bench.timing import sync
+def build(mode: str, overrides: list[str]):
+    """The step of `mode` and its synthetic crops: (step, crops, device, precision, plan,
+    batch, build seconds)."""
+    from resmlp.bench.rows import autocast_for, synthetic_crops
     from resmlp.core.config import load_config
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
@@ -52,19 +53,47 @@ def measure(mode: str, overrides: list[str], steps: int) -> dict:
                           "cpu" if cfg.device == "auto" else cfg.device)
     precision = str(cfg.precision) if cfg.precision != "auto" else "bf16" if device.type == "cuda" else "fp32"
     plan = crop_plan(cfg)
+    torch.manual_seed(0)
     t0 = time.perf_counter()
     step = build_dino_step(cfg, plan, device, autocast=autocast_for(device, precision))
     if mode == "whole":  # what ssl/step.py did before regional compilation
         step.student, step.teacher = torch.compile(step.student), torch.compile(step.teacher)
     build_s = time.perf_counter() - t0
     crops = synthetic_crops(plan, int(cfg.batch_size), device)
-    seconds = []
-    for i in range(1 + steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step([c.clone() for c in crops], LR, WD, MOMENTUM, TEACHER_TEMP, 1)
-        step.read()  # the tally to the host: the step's work is done
-        seconds.append(time.perf_counter() - t0)
+    return step, crops, device, precision, plan, int(cfg.batch_size), build_s
+
+
+def one_step(step, crops, device) -> float:
+    """Seconds of one step, its work done (the tally read to the host)."""
+    from resmlp.bench.rows import LR, MOMENTUM, TEACHER_TEMP, WD
+    from resmlp.bench.timing import sync
+    sync(device)
+    t0 = time.perf_counter()
+    step([c.clone() for c in crops], LR, WD, MOMENTUM, TEACHER_TEMP, 1)
+    step.read()
+    return time.perf_counter() - t0
+
+
+def interleaved(modes: list[str], overrides: list[str], rounds: int) -> dict:
+    """The steady step of each mode, the steps built side by side in this process and timed
+    in turn (`rounds` times each, after one call that compiles): on a machine shared with
+    other jobs, what they do falls on every mode alike. {mode: seconds per round}."""
+    built = {m: build(m, overrides) for m in modes}
+    for step, crops, device, *_ in built.values():
+        one_step(step, crops, device)
+    times = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m, (step, crops, device, *_) in built.items():
+            times[m].append(one_step(step, crops, device))
+    return times
+
+
+def measure(mode: str, overrides: list[str], steps: int) -> dict:
+    """One mode in this process: the build, the first iteration and `steps` more."""
+    from torch._dynamo.utils import counters
+
+    step, crops, device, precision, plan, batch, build_s = build(mode, overrides)
+    seconds = [one_step(step, crops, device) for _ in range(1 + steps)]
     steady = statistics.median(seconds[1:]) if steps else float("nan")
     try:  # torch's own seconds per compile phase and per timed function (internal helpers)
         from torch._dynamo.utils import calculate_time_spent, compile_times
@@ -74,7 +103,7 @@ def measure(mode: str, overrides: list[str], steps: int) -> dict:
     except ImportError:
         phases, functions = {}, {}
     return {"mode": mode, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "precision": precision, "batch": int(cfg.batch_size), "crops": plan.label(), "torch": torch.__version__,
+            "precision": precision, "batch": batch, "crops": plan.label(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "build_s": build_s, "first_s": seconds[0], "steady_s": steady,
             "compile_s": seconds[0] - steady, "dynamo_compile_s": phases.get("total_wall_time"), "phases": phases,
             "functions": functions,
@@ -95,6 +124,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--modes", default="whole,regional", help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=3, help="iterations after the first (the steady median)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the steady step of each mode, built in one process and timed in turn")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child process: one mode
     args = parser.parse_args(argv)
     if args.one:
@@ -105,6 +136,15 @@ def main(argv: list[str]) -> int:
     if bad:
         print(f"compile_cost: --modes {','.join(bad)} is not one of {', '.join(MODES)}", file=sys.stderr)
         return 2
+    if args.interleave:
+        times = interleaved(modes, args.overrides, args.interleave)
+        for mode, t in times.items():
+            print(f"{mode:>8}: steady {statistics.median(t):.3f} s (median of {len(t)} interleaved; "
+                  f"{min(t):.3f}-{max(t):.3f})", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(times, f, indent=1)
+        return 0
     results = []
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="compile_cost_") as cache:

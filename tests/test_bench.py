@@ -177,6 +177,8 @@ def test_compile_cost_times_each_mode_in_a_fresh_process(tmp_path, capsys):
     (r,) = json.loads(out.read_text())
     assert r["mode"] == "eager" and r["graphs"] == 0 and r["batch"] == 2 and r["crops"] == "2x32+8x16"
     assert len(r["seconds"]) == 3 and all(s > 0 for s in r["seconds"])
+    assert compile_cost.main([*tiny, "--modes", "eager", "--interleave", "2", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())) == ["eager"] and len(json.loads(out.read_text())["eager"]) == 2
     assert compile_cost.main(["--modes", "eager,fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["compile_cost: --modes fast is not one of eager, whole, regional"]
