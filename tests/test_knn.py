@@ -480,26 +480,23 @@ def test_low_shot_knn_reports_mean_and_std_over_tries_and_clips_k_once():
     assert "±" not in format_low_shot(one).splitlines()[2]     # one try: no spread to show
 
 
-def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch):
+def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch, fake_forward):
     """knn_report(few_labels=True) with knn.n_per_class: the low-shot k-NN on the features
-    its online k-NN kept (extracted once), printed as a table, returned for results.json."""
+    its online k-NN kept (extracted once), printed as a table, returned for results.json.
+    Only the network's forward passes are faked (fake_forward): online_knn and knn_report
+    compose their results as in training."""
+    from test_folder import labeled
+
     from resmlp.core.config import load_config
     from resmlp.eval import knn
     from resmlp.ssl.train import knn_report
 
-    class Images(list):
-        classes = ["a", "b", "c"]
-
-    g = torch.Generator().manual_seed(0)
-    data = {s: (torch.randn(n, 5, generator=g), torch.arange(n) % 3) for s, n in (("train", 30), ("test", 9))}
     asked = []
+    real = knn.online_knn
 
     def online_knn(*args, keep_features=False, **kwargs):
         asked.append(keep_features)
-        res = knn.knn_evaluate(*data["train"], *data["test"], 3, ks=[1, 5])
-        out = {"knn": res, "knn_top1": res[5]["top1"], "knn_top5": res[5]["top5"], "knn_k": 5, "n_train": 30,
-               "num_classes": 3}
-        return {**out, "features": data, "datasets": {"train": Images(), "test": Images()}} if keep_features else out
+        return real(*args, keep_features=keep_features, **kwargs)
 
     class FakeRun:
         is_main, device, world_size, amp_dtype = True, torch.device("cpu"), 1, None
@@ -509,16 +506,17 @@ def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch):
             self.printed.append(" ".join(map(str, args)))
 
     monkeypatch.setattr(knn, "online_knn", online_knn)
-    cfg = load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", "knn.k=5",
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", "data=imagefolder",
+                                             f"data.root={labeled(tmp_path / 'lab', per_class=6)}", "knn.k=5",
                                              "knn.n_per_class=[1,2]", "knn.tries=3"])
     run = FakeRun()
     assert "knn_low_shot" not in knn_report(run, None, cfg, "epoch 1") and asked == [False]   # periodic: no
     out = knn_report(run, None, cfg, "teacher after training", few_labels=True)
-    assert asked[-1] is True
+    assert asked[-1] is True and out["knn_k"] == 5
     few = out["knn_low_shot"]
-    assert few["tries"] == 3 and few["results"]["1"]["k"]["5"]["k_used"] == 3 and "top1_std" in few["results"]["2"]["k"]["5"]
+    assert few["tries"] == 3 and few["results"]["1"]["k"]["5"]["k_used"] == 2 and "top1_std" in few["results"]["2"]["k"]["5"]
     table = run.printed[-1]
-    assert "k-NN with few labels" in table and table.count("n=1: k=5 clipped to the bank's 3 images") == 1
+    assert "k-NN with few labels" in table and table.count("n=1: k=5 clipped to the bank's 2 images") == 1
     cfg.knn.n_per_class = None
     assert "knn_low_shot" not in knn_report(run, None, cfg, "end", few_labels=True) and asked[-1] is False
     json.dumps(out)
