@@ -15,12 +15,12 @@ stage its longest line, a training stage its predicted time, bench/campaign_pred
 when only a later call of the window could fit it, this call ends there; when none could,
 it is not started in this window and the call goes on with the next stage. At the call's
 end the stage in flight gets SIGTERM, which the trainers answer with a checkpoint and exit
-75 (core/preempt.py) and the bench by finishing its line. The report folder (campaign_state.py) is rewritten at the
-call's start, after every stage, bench line, k-NN and test, and at least every
-campaign.report_every_s, so a call killed at any point hands back what it measured. The
-next call continues from the campaign dir (`out`) on a warm machine, or from the report
-carried in (`campaign.from_report`) on a fresh one. A call prints what it did, what is
-left and whether to call again.
+75 (core/preempt.py) and the bench by finishing its line. The report folder
+(campaign_state.py) is rewritten at the call's start, after every stage, bench line, k-NN
+and test, and at least every campaign.report_every_s, so a call killed at any point hands
+back what it measured. The next call continues from the campaign dir (`out`) on a warm
+machine, or from the report carried in (`campaign.from_report`) on a fresh one. A call
+prints what it did, what is left and whether to call again.
 
 Exit codes: 75 call again (a stage left can still run in this window), 0 nothing more to
 call for (every stage ended, or what is left needs another window), 1 the same and a stage
@@ -43,7 +43,8 @@ from pathlib import Path
 
 from resmlp.bench import campaign_state as S
 from resmlp.bench.campaign_predict import measured, predict, schedule, train_images
-from resmlp.bench.campaign_stages import TRAINING, classify, decide, launch, note_test_line, plan, requirement
+from resmlp.bench.campaign_stages import (PROFILE, TRAINING, classify, decide, launch, note_test_line, plan,
+                                          requirement)
 from resmlp.bench.report import ReportError, write_report
 from resmlp.bench.report import problem as report_problem
 from resmlp.core import preempt
@@ -85,8 +86,8 @@ class Campaign:
         started = _float(os.environ.get(STARTED_ENV))
         self.started = started if started is not None and now - float(c.call_s) < started <= now else now
         self.fresh = True  # the campaign dir held no state: this machine was started for this call (load())
-        self.window_end = None
-        self.deadline = self.started + float(c.call_s)  # and the window's end, once load() knows the machine
+        self.window_end = self.deadline = None
+        self.set_deadline()  # again once load() knows the machine
         self.calls: list = []
         self.log = None
         self.restored = None      # what the call says about a report it continued from
@@ -107,6 +108,7 @@ class Campaign:
         around the call come out of them after (window_margin_s)."""
         c = self.cfg.campaign
         self.deadline = self.started + float(c.call_s)
+        self.window_end = None
         if c.window_left_s is not None:
             start = float(self.p["start_s"]) if self.fresh else 0.0
             self.window_end = self.started + float(c.window_left_s) - start - float(self.p["window_margin_s"])
@@ -259,6 +261,8 @@ class Campaign:
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
         classify(stage, rc, stopped_by)
+        if stage.name in PROFILE and stage.status == "done":
+            stage.profile = S.profile_figures(stage.dir / "profile.json")
         note = f": {stage.note}" if stage.note else ""
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
         self.report(PREEMPTED_EXIT)

@@ -53,9 +53,11 @@ class Stage:
     graphs: dict | None = None  # preset: {"on": bool | None, "why": str}, decided at its first start
     restart: bool = False     # training stages: the next start begins again from epoch 0 (a fresh machine)
     prediction: dict | None = None  # training stages: the last prediction of their time, and its terms
+    profile: dict | None = None     # profile stages: their profile.json, short (campaign_state.profile_figures)
     figures: dict = field(default_factory=dict)
 
-    KEPT = ("status", "note", "rc", "wall_s", "runs", "attempt", "restart", "outcomes", "graphs", "prediction")
+    KEPT = ("status", "note", "rc", "wall_s", "runs", "attempt", "restart", "outcomes", "graphs", "prediction",
+            "profile")
 
     def ended(self) -> bool:
         return self.status in ("done", "failed")

@@ -3,8 +3,8 @@
 On a warm machine the campaign dir holds it all: campaign.json (each stage's status, the
 tests' results, the preset's graphs decision, the calls) and each stage's files. The report
 folder, rewritten as the call goes, holds all of it too, flat and small: summary.json
-(with campaign.json's content under "state", and the profiles' phases and top kernels
-folded into their stages' figures), campaign.log, bench.json and the training stages'
+(with campaign.json's content under "state", the profiles' phases and top kernels among
+it), campaign.log, bench.json and the training stages'
 results.json and log.jsonl: 7 files, so that a write a kill interrupts still leaves its
 temp file within the 8 a lent machine hands back. A fresh machine continues from a carried
 report (campaign.from_report): `restore` puts its files back into an empty campaign dir; a
@@ -24,7 +24,7 @@ from resmlp.core.errors import UserError
 
 STATE = "campaign.json"
 LOG = "campaign.log"
-RESTORED = "restored"   # in the campaign dir: the training stages' and profiles' files a report brought back
+RESTORED = "restored"   # in the campaign dir: the training stages' files a report brought back
 PROFILE_TOP = 15        # kernels per profiled step kept in summary.json
 REPORT_FILES = ("summary.json", "campaign.log", "bench.json", "preset_results.json", "preset_log.jsonl",
                 "compare_results.json", "compare_log.jsonl")
@@ -122,12 +122,6 @@ def restore(folder: Path, summary: dict, campaign_dir: Path, call: int) -> str:
     for name in BENCH:
         if stages.get(name, {}).get("status") in ("running", "cut"):
             words.append(f"{name} measures only the lines bench.json lacks")
-    for name in PROFILE:  # summary.json holds their figures, read back as their profile.json
-        kept = figures.get(name, {}).get("profile")
-        if kept:
-            target = campaign_dir / RESTORED / f"{name}_profile.json"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(json.dumps(kept))
     tests = stages.get("tests", {})
     if tests.get("status") in ("running", "cut"):
         words.append(f"tests runs only the tests without a result ({len(tests.get('outcomes', {}))} have one)")
@@ -151,19 +145,12 @@ def training_results(campaign_dir: Path, name: str) -> Path:
     return live if live.is_file() else campaign_dir / RESTORED / f"{name}_results.json"
 
 
-def profile_file(campaign_dir: Path, name: str) -> Path:
-    live = campaign_dir / name / "profile.json"
-    return live if live.is_file() else campaign_dir / RESTORED / f"{name}_profile.json"
-
-
 def figures(stage: Stage, campaign_dir: Path) -> dict:
     try:
         if stage.name in TRAINING:
             return train_figures(training_log(campaign_dir, stage.name), training_results(campaign_dir, stage.name))
         if stage.name in BENCH:
             return bench_figures(stage.dir / "bench.json")
-        if stage.name in PROFILE:
-            return profile_figures(profile_file(campaign_dir, stage.name))
         return test_figures(stage.outcomes)
     except (OSError, ValueError, KeyError, TypeError) as e:  # a file cut short by a kill: say so, go on
         return {"figures_error": f"{type(e).__name__}: {e}"}
@@ -212,11 +199,12 @@ def bench_figures(path: Path) -> dict:
                       for s in b.get("summary", [])]}
 
 
-def profile_figures(path: Path) -> dict:
-    """bench/profile.py's profile.json, short: its config, the time of each phase, and per
+def profile_figures(path: Path) -> dict | None:
+    """bench/profile.py's profile.json, short, for the stage's state (so in summary.json: the
+    report has no room for an eighth file): its config, the time of each phase, and per
     profiled step the wall and device-busy time per call, the launches and the top kernels."""
     if not path.is_file():
-        return {}
+        return None
     r = json.loads(path.read_text())
     out = {"config": r.get("config"), "phases": r.get("phases", {})}
     for key in sorted(k for k in r if k.startswith("kernels_")):
@@ -224,7 +212,7 @@ def profile_figures(path: Path) -> dict:
         out[key] = {**{f: round(k[f], 3) for f in ("wall_ms", "busy_ms", "kernels_per_call")},
                     "top": [{"name": x["name"][:160], "ms_per_call": round(x["ms_per_call"], 4), "count": x["count"]}
                             for x in k["top"][:PROFILE_TOP]]}
-    return {"profile": out}
+    return out
 
 
 def test_figures(outcomes: dict) -> dict:
@@ -257,8 +245,8 @@ def describe(s: Stage) -> str:
             parts.append(s.graphs["why"])
     elif s.name in BENCH and f:
         parts.append(f"bench.json (both bench stages'): lines {f['lines']}, {f.get('left') or 0} left")
-    elif s.name in PROFILE and f.get("profile"):
-        prof = f["profile"]
+    elif s.name in PROFILE and s.profile:
+        prof = s.profile
         parts += [f"{name} {v['ms']:.1f} ms ({v['images_per_s']:.0f} img/s)" for name, v in prof["phases"].items()]
         for key in (k for k in prof if k.startswith("kernels_")):
             k, top = prof[key], prof[key]["top"][:1]

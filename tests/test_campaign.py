@@ -368,22 +368,20 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
                "phases": {"step eager": {"ms": 80.0, "images_per_s": 6400.0},
                           "step compiled": {"ms": 40.0, "images_per_s": 12800.0}},
                "kernels_compiled": {"wall_ms": 40.2, "busy_ms": 38.1, "kernels_per_call": 812.0, "top": top}}
-    live = tmp_path / "campaign" / "profile_preset"
-    live.mkdir(parents=True)
-    (live / "profile.json").write_text(json.dumps(profile))
-    stage = CS.Stage("profile_preset", [], live, 120, status="done")
-    stage.figures = S.figures(stage, tmp_path / "campaign")
-    kept = stage.figures["profile"]
-    assert len(kept["kernels_compiled"]["top"]) == S.PROFILE_TOP < 25
-    assert all(len(k["name"]) <= 160 for k in kept["kernels_compiled"]["top"])
-    assert kept["phases"] == profile["phases"] and kept["kernels_compiled"]["busy_ms"] == 38.1
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    stage = CS.Stage("profile_preset", [], tmp_path, 120, status="done")
+    stage.profile = S.profile_figures(tmp_path / "profile.json")
+    assert len(stage.profile["kernels_compiled"]["top"]) == S.PROFILE_TOP < 25
+    assert all(len(k["name"]) <= 160 for k in stage.profile["kernels_compiled"]["top"])
+    assert stage.profile["phases"] == profile["phases"] and stage.profile["kernels_compiled"]["busy_ms"] == 38.1
     line = S.describe(stage)
     assert "step compiled 40.0 ms (12800 img/s)" in line and "device busy 38.1 of 40.2 ms per call" in line
-    # a fresh machine: the report's summary brings it back, as it was
+    # in the stage's state, so in summary.json, and back from a carried report on a fresh machine
     fresh = tmp_path / "fresh"
-    state = {"stages": {"profile_preset": stage.state()}, "calls": []}
-    S.restore(tmp_path, {"state": state, "stages": [{"name": "profile_preset", **stage.figures}]}, fresh, 2)
-    assert S.figures(CS.Stage("profile_preset", [], fresh / "profile_preset", 120), fresh) == stage.figures
+    S.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2)
+    again = CS.Stage("profile_preset", [], fresh / "profile_preset", 120)
+    again.take(S.read_state(fresh)["stages"]["profile_preset"])
+    assert again.profile == stage.profile and again.status == "done"
 
 
 def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
