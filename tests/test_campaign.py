@@ -47,7 +47,7 @@ def call(out, report, window, carried=None, kill=None):
     time limit). Returns (exit code, output lines, process group)."""
     env = {k: v for k, v in os.environ.items() if k != STARTED_ENV}
     argv = [sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
-            "campaign.call_s=300", f"campaign.window_left_s={window}",
+            "campaign.call_s=600", f"campaign.window_left_s={window}",
             *([f"campaign.from_report={carried}"] if carried else [])]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
