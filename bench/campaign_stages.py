@@ -154,16 +154,17 @@ def requirement(stage: Stage, p: dict, window: bool, predicted: dict | None) -> 
     """(seconds a stage needs before its stop signal to be started, why). A bench stage keeps
     its lines one by one: its longest line and start-up. Under a window every other stage
     needs its whole run: a training stage its prediction (at least min_start_s; compare at
-    most what is left of its budget), the tests and the profiles their min_start_s. Without a
-    window a training stage resumes from its checkpoint on the same machine: min_start_s."""
+    most what is left of its budget before its stop signal), the tests and the profiles
+    their min_start_s. Without a window a training stage resumes from its checkpoint on the
+    same machine: min_start_s."""
     if stage.name in BENCH:
         return max(stage.min_start_s, stage.line_s + 1), (f"its longest line, bench_line_s={stage.line_s:g}, and "
                                                           "start-up; its lines are kept one by one")
     if stage.name not in TRAINING or not window or predicted is None:
         return stage.min_start_s, f"min_start_s={stage.min_start_s:g}"
     need = max(stage.min_start_s, predicted["need_s"])
-    if stage.budget_s is not None:
-        need = min(need, max(stage.min_start_s, stage.budget_s - stage.wall_s))
+    if stage.budget_s is not None:  # it ends when its budget is spent: its stop signal comes grace s before
+        need = min(need, max(stage.min_start_s, stage.budget_s - stage.wall_s - float(p["stop_grace_s"])))
     return need, f"predicted {predicted['need_s']:.0f} s"
 
 

@@ -247,7 +247,7 @@ def test_a_stage_needs_its_whole_time_under_a_window_and_a_bench_stage_its_longe
     assert CS.requirement(preset, {}, True, predicted)[0] == 1062
     assert CS.requirement(preset, {}, True, {"need_s": 40.0})[0] == 150  # never under min_start_s
     assert CS.requirement(preset, {}, False, predicted)[0] == 150  # no window: it resumes from its checkpoint
-    assert CS.requirement(compare, {}, True, predicted)[0] == 200  # what is left of its budget
+    assert CS.requirement(compare, {"stop_grace_s": 30}, True, predicted)[0] == 170  # its budget, to its stop
     assert CS.requirement(bench, {}, True, None)[0] == 151
     assert CS.requirement(tests, {}, True, None)[0] == 100
     assert [CS.decide(100, left, later) for left, later in ((100, 0), (99, 100), (99, 99))] == \
