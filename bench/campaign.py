@@ -263,6 +263,8 @@ class Campaign:
         classify(stage, rc, stopped_by)
         if stage.name in PROFILE and stage.status == "done":
             stage.profile = S.profile_figures(stage.dir / "profile.json")
+        if stage.prediction is not None and stage.status == "done":
+            stage.prediction["took_s"] = round(took, 1)  # its whole run, against what was predicted
         note = f": {stage.note}" if stage.note else ""
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
         self.report(PREEMPTED_EXIT)

@@ -2,9 +2,11 @@
 starts: bench/campaign.py starts one under a window only when this fits what is left of the
 call. No torch import (except for Fashion-MNIST's size).
 
-    need = start-up + epochs x images per epoch / rate + evaluations x eval_s + end_s
+    need = launch + start-up + epochs x images per epoch / rate + evaluations x eval_s + end_s
 
-- start-up: from the command's start to its first log line (data, the k-NN at init,
+- launch: the process's own start before the trainer's clock (python, torch, CUDA) and its
+  exit, which no log holds;
+- start-up: from the trainer's clock to its first log line (data, the k-NN at init,
   compilation; the first log line's iterations are in it too);
 - images per epoch: what the trainer's loader gives, whole batches of the train split (or of
   data.subset);
@@ -14,7 +16,8 @@ call. No torch import (except for Fashion-MNIST's size).
 
 Each term comes from the stage's own earlier attempt in this campaign where its log measured
 it (a resumed run, or one a fresh machine starts again), else from the profile's constants
-(`campaign.<profile>.predict`, measured on a GPU: configs/method/campaign.yaml says where).
+(`campaign.<profile>.predict`, measured on a GPU: configs/method/campaign.yaml says where);
+the launch always from the constants.
 """
 from __future__ import annotations
 
@@ -80,17 +83,17 @@ def predict(sched: dict, constants: dict, seen: dict, constants_name: str, from_
     """The need in seconds and every term of it, each with where it came from: `seen`
     (measured()) before `constants` (named constants_name). from_epoch: a run that resumes there."""
     terms, source = {}, {}
-    for k in ("startup_s", "images_per_s", "eval_s", "end_s"):
+    for k in ("launch_s", "startup_s", "images_per_s", "eval_s", "end_s"):
         terms[k] = float(seen[k] if k in seen else constants[k])
         source[k] = f"measured by its attempt {seen['attempt']}" if k in seen else constants_name
     epochs = max(0.0, sched["epochs"] - from_epoch)
     every = sched["eval_every"]
     evals = 0 if not every else max(0, (sched["epochs"] - 1) // every - int(from_epoch) // every)
     train_s = epochs * sched["images_per_epoch"] / terms["images_per_s"]
-    need = terms["startup_s"] + train_s + evals * terms["eval_s"] + terms["end_s"]
-    text = (f"start-up {terms['startup_s']:.0f} s + {epochs:g} epochs x {sched['images_per_epoch']} images / "
-            f"{terms['images_per_s']:.0f} img/s ({train_s:.0f} s) + {evals} k-NN x {terms['eval_s']:.1f} s + the end "
-            f"{terms['end_s']:.0f} s")
+    need = terms["launch_s"] + terms["startup_s"] + train_s + evals * terms["eval_s"] + terms["end_s"]
+    text = (f"launch {terms['launch_s']:.0f} s + start-up {terms['startup_s']:.0f} s + {epochs:g} epochs x "
+            f"{sched['images_per_epoch']} images / {terms['images_per_s']:.0f} img/s ({train_s:.0f} s) + {evals} "
+            f"k-NN x {terms['eval_s']:.1f} s + the end {terms['end_s']:.0f} s")
     return {"need_s": round(need, 1), **sched, "from_epoch": round(from_epoch, 2), "evaluations": evals,
             **{k: round(v, 2) for k, v in terms.items()}, "train_s": round(train_s, 1), "from": source,
             "text": text}

@@ -238,8 +238,8 @@ def describe(s: Stage) -> str:
             parts.append(f"final k-NN {f['results']['knn_top1']:.2f}; training {t.get('train_s', 0):.0f} s over "
                          f"{len(t.get('starts', []))} start(s), uninterrupted about "
                          f"{t.get('uninterrupted_s', 0):.0f} s")
-        if s.prediction:  # beside what it took, to judge the constants by
-            took = (f["results"].get("wall_time_s") or 0) if "results" in f else 0
+        if s.prediction:  # beside what its last run took, to judge the constants by
+            took = s.prediction.get("took_s")
             parts.append(f"predicted {s.prediction['need_s']:.0f} s" + (f", took {took:.0f} s" if took else ""))
         if s.graphs:
             parts.append(s.graphs["why"])

@@ -134,7 +134,8 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     pred = st1["preset"]["prediction"]
     assert (pred["epochs"], pred["images_per_epoch"], pred["evaluations"]) == (2, 48, 1)
     assert set(pred["from"].values()) == {"campaign.tiny.predict"}
-    assert pred["need_s"] == pytest.approx(k.startup_s + 2 * 48 / k.images_per_s + k.eval_s + k.end_s, abs=0.1)
+    assert pred["need_s"] == pytest.approx(k.launch_s + k.startup_s + 2 * 48 / k.images_per_s + k.eval_s + k.end_s,
+                                           abs=0.1)
     assert any(line.startswith(f"campaign: preset: predicted {pred['need_s']:.0f} s = ") for line in lines1)
     report_obeys_the_limits(reports[0], killed=True)
 
@@ -292,17 +293,17 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
     clock.now = first.started + 88
     assert first.next_call_s() == pytest.approx(534)
     record = first.calls[-1]
-    preset = first.by_name["preset"]  # 100 epochs at the 2026-11-26 rates: about 1062 s
+    preset = first.by_name["preset"]  # 100 epochs at the 2026-11-26 rates: about 1077 s
     assert first.run_stage(preset, record) is True and record["not_started"][-1]["verdict"] == "window"
-    assert preset.status == "pending" and preset.note.startswith("not started in call 1: needs 1062 s")
+    assert preset.status == "pending" and preset.note.startswith("not started in call 1: needs 1077 s")
     shorter = campaign(tmp_path / "e", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=40]")
-    clock.now = shorter.started + 88  # 88 + 40 x 59904 / 6600 + 3 x 4 + 30 = 493 s: the next call has it
+    clock.now = shorter.started + 88  # 15 + 88 + 40 x 59904 / 6600 + 3 x 4 + 30 = 508 s: the next call has it
     assert shorter.run_stage(shorter.by_name["preset"], shorter.calls[-1]) is False
     assert shorter.calls[-1]["not_started"][-1]["verdict"] == "next_call"
     short = campaign(tmp_path / "f", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=30]")
-    clock.now = short.started + 88  # 398 s: it starts
+    clock.now = short.started + 88  # 413 s: it starts
     need, _ = short.requirement(short.by_name["preset"])
-    assert need == pytest.approx(88 + 30 * 59904 / 6600 + 2 * 4 + 30, abs=0.1)
+    assert need == pytest.approx(15 + 88 + 30 * 59904 / 6600 + 2 * 4 + 30, abs=0.1)
     assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
     # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
     # 294 - 40 - 20 - 6 - 30 = 198 s: bench_fused (120 s), the profiles (120 s) and the bench (180 s) fit it
@@ -320,7 +321,7 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
     assert sched == {"epochs": 100, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
     const = predict(sched, gpu, {}, "campaign.gpu.predict")
     assert const["evaluations"] == 9  # epochs 10..90; the last epoch's is the end's
-    assert const["need_s"] == pytest.approx(88 + 100 * 59904 / 6600 + 9 * 4 + 30, abs=0.1)
+    assert const["need_s"] == pytest.approx(15 + 88 + 100 * 59904 / 6600 + 9 * 4 + 30, abs=0.1)
     # the log the H100 wrote on 2026-11-26 (its last attempt, before call 2's restart line)
     seen = measured(H100_LOG.read_bytes(), 59904, 10)
     assert seen["attempt"] == 1 and seen["startup_s"] == 87.6
@@ -328,7 +329,8 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
     # 95.2 s from the k-NN of epoch 10 to epoch 20's, less 10 epochs of training at that rate
     assert seen["eval_s"] == pytest.approx(95.2 - 10 * 59904 / seen["images_per_s"], abs=1e-6)
     full = predict(sched, gpu, seen, "campaign.gpu.predict")
-    assert full["from"]["startup_s"] == "measured by its attempt 1" and full["from"]["end_s"] == "campaign.gpu.predict"
+    assert full["from"]["startup_s"] == "measured by its attempt 1"
+    assert full["from"]["end_s"] == full["from"]["launch_s"] == "campaign.gpu.predict"
     # the terms give back the log's own time line: its start, 20 epochs and the k-NN of epochs 10 and 20
     assert seen["startup_s"] + 20 * 59904 / seen["images_per_s"] + 2 * seen["eval_s"] == pytest.approx(274.1, rel=0.02)
     # resumed at epoch 23.08 (its checkpoint, on the same machine): the evaluations of 30..90 are left
