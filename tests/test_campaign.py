@@ -513,6 +513,10 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     assert main(["campaign", "campaign.profile=nope", out]) == 2
     assert main(["campaign", "campaign.profile=tiny", "campaign.call_s=10", out]) == 2
     assert "min_start_s.tests + stop_grace_s" in capsys.readouterr().err
+    assert main(["campaign", *TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: campaign.window_left_s=-60 is not allowed: campaign.window_left_s "
+                                        "must be a number > 0 (or null)"] and not (tmp_path / "never").exists()
     state = {"commands": {"preset": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", "epochs=3"]}, "stages": {},
              "calls": []}
     (tmp_path / "campaign.json").write_text(json.dumps(state))
