@@ -1,34 +1,38 @@
 """The exact k nearest training features (cosine) of each test feature, on any backend.
 
 Exactness and ties. Two backends find the neighbours: FAISS (IndexFlatIP, exact) and
-torch (matmul + topk; a bf16 pass on a GPU). Their inner products differ in the last
+torch (matmul + top-k; a float16 pass on a GPU). Their inner products differ in the last
 bits, and neither says how it breaks ties, so the raw search is only a candidate generator:
-    1. search k + margin candidates per query (any backend, any precision with a known
-       rounding bound);
+    1. search kc = k + margin candidates per query (any backend, any precision whose
+       rounding is bounded), with a ceiling: a float64 value that no left-out training
+       feature's exact cosine exceeds (the last candidate's search value plus the bound);
     2. recompute the candidates' similarities in float64 with one fixed piece of code
        (the cosine of the raw features, norms in float64, where the search runs: the CPU,
        or the GPU for torch there), and sort them by (-similarity, train index);
-    3. if the last candidate's search similarity is within the search's rounding bound
-       of the k-th float64 similarity, a neighbour may hide outside the candidate list:
-       search again for those queries with 4x the candidates; once that reaches the
-       whole train set, every training feature is re-ranked (no search).
+    3. a query whose k-th float64 similarity is above its ceiling has its k neighbours:
+       every left-out feature is strictly less similar. The others are searched again,
+       all together, with 4x the candidates; once that reaches the whole train set, every
+       training feature is re-ranked (no search).
 The k neighbours, their order and the similarities therefore depend only on the features,
-not on the backend, the device or the chunking: equal similarities (exact duplicate
-training features) go to the lower train index.
+not on the backend, the device, the dtype or the chunking: equal similarities (exact
+duplicate training features) go to the lower train index.
 
 Memory stays within `budget` bytes (a small multiple of it at the peak, besides the
 search's own copy of the train features) for any candidate count: queries go in chunks
 (no n_test x n_train matrix exists), a chunk's pass at c candidates takes as many queries
-as c candidates each fit in the budget (`pass_rows`), and the float64 re-rank runs in
-tiles of queries x candidates (`rerank_tile`), keeping a running top-k. A collapsed
-network, whose features are all alike, sends every query to the whole train set: its
-re-rank then streams over the train features in tiles instead of gathering n_train
-float64 vectors per query.
+as c candidates each fit in the budget (`pass_rows`), the pass itself goes over tiles of
+queries x train columns (`_TorchSearch.tile`), and the float64 re-rank runs in tiles of
+queries x candidates (`rerank_tile`), keeping a running top-k. A collapsed network, whose
+features are all alike, sends every query to the whole train set: its re-rank then
+streams over the train features in tiles instead of gathering n_train float64 vectors
+per query.
 
-On a GPU (torch) everything runs there: the raw features are copied once, normalised
-there, the candidate pass is a bf16 matmul (fp32 accumulation) whose rows are reduced to
-block maxima before the top-k (`_top_candidates`), and the float64 re-rank gathers the
-candidates there; only the k neighbours come back.
+On a GPU (torch) everything runs there: the raw features are copied once and made unit
+vectors there in float16, each row's rounding measured (`unit_rows`); the candidate pass
+is a float16 matmul (float32 sums) per tile of up to 4096 queries x tens of thousands of
+train columns, whose similarities are written once and read once, for block maxima
+(`_top_candidates`); the float64 re-rank gathers the candidates there; there is no host
+sync but one per round of step 3 (and the input checks); only the k neighbours come back.
 """
 from __future__ import annotations
 
@@ -203,58 +207,87 @@ def backend_name(backend: str = "auto", device=None) -> str:
     return f"{name}-{'gpu' if name == 'faiss' and dev.type == 'cuda' else dev.type}"
 
 
-@contextlib.contextmanager
-def _matmul_precision(precision: str):
-    """torch's float32 matmul precision for the duration ('highest': true float32;
-    'high': TF32 on the GPU's tensor cores)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
-
-
-# Relative rounding of one operand (round to nearest: half of these; counted in full).
-_UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+# The candidate pass's rounding, per dtype of its operands (see _TorchSearch.bound).
+# Accumulation: a bound per summed product, relative to the sum of |products|. float32 on a
+# CPU or in CUDA cores: IEEE sums, whose recursive bound is d 2^-24 in any order; 2^-22
+# spares a factor 4. float16 / bfloat16 on tensor cores: the products are exact in float32
+# but the sums may truncate and align with few extra bits (not IEEE); 2^-21 spares a
+# factor 4 over truncation's 2^-23.
+_ACCUMULATION = {torch.float32: 2.0**-22, torch.float16: 2.0**-21, torch.bfloat16: 2.0**-21}
 
 
 @contextlib.contextmanager
-def _fp32_accumulation():
-    """cuBLAS may sum bf16 products in reduced precision unless told not to; the rounding
-    bound below assumes float32 sums."""
-    old = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+def _pass_precision():
+    """The candidate pass's matmuls as its rounding bound assumes them: float32 operands
+    multiplied in float32 (no TF32), float16 / bfloat16 products summed in float32 (cuBLAS
+    may otherwise reduce in the operands' precision, or accumulate float16 in float16)."""
+    m = torch.backends.cuda.matmul
+    old = (torch.get_float32_matmul_precision(), torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+           torch._C._get_cublas_allow_bf16_reduced_precision_reduction(), m.allow_fp16_accumulation)
+    torch.set_float32_matmul_precision("highest")
+    m.allow_fp16_reduced_precision_reduction = False
+    m.allow_bf16_reduced_precision_reduction = False
+    m.allow_fp16_accumulation = False
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = old
+        torch.set_float32_matmul_precision(old[0])
+        m.allow_fp16_reduced_precision_reduction = tuple(old[1])
+        m.allow_bf16_reduced_precision_reduction = tuple(old[2])
+        m.allow_fp16_accumulation = old[3]
+
+
+def unit_rows(x: torch.Tensor, dtype: torch.dtype, budget: int = BUDGET) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, err): the rows of x as unit vectors in `dtype`, what a candidate pass
+    multiplies, and |unit_i - x_i / |x_i||_2 in float64 against the exact unit vector: the
+    operand rounding its bound needs, measured rather than assumed. Subnormal values are
+    set to 0 (tensor cores may flush them), so err is the rounding the matmul sees. In
+    chunks of the budget (no float32 copy of all of x)."""
+    n, d = x.shape
+    unit = torch.empty(n, d, dtype=dtype, device=x.device)
+    err = torch.empty(n, dtype=torch.float64, device=x.device)
+    tiny = torch.finfo(dtype).tiny
+    rows = max(1, budget // (48 * max(1, d)))
+    for s in range(0, n, rows):
+        xs = x[s:s + rows]
+        u = normalize(xs).to(dtype)
+        u = u.masked_fill(u.abs() < tiny, 0)
+        unit[s:s + rows] = u
+        exact = xs.double() * _inverse_norms(xs, budget).unsqueeze(1)
+        err[s:s + rows] = torch.linalg.vector_norm(u.double() - exact, dim=1)
+    return unit, err
 
 
 def _top_candidates(sims: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sims.topk(k, dim=1), values exact, found through block maxima: every value above the
-    k-th largest lies in a block whose maximum is among the k largest maxima (fewer than k
-    values exceed it), so the top k of those k blocks are the top k of the row. Any k values
-    tied at the k-th may be returned, as with topk. One pass over the row for the maxima
-    instead of torch.topk's several over a row of a million values."""
+    """sims.topk(k, dim=1) (values sorted, and their columns), found through block maxima.
+    Every value outside the k blocks with the largest maxima is at most each of those
+    maxima, so at most the k-th largest value of those blocks: their values (and the
+    columns after the last full block) hold the row's top k. One read of the row for the
+    maxima instead of torch.topk's radix passes over a row of many thousand values; the k
+    blocks are gathered whole (a broadcast index, no index per value). Any k values tied
+    at the k-th may be returned, as with topk."""
     r, n = sims.shape
     full = n // block
     if full <= k or block <= 1:
         return sims.topk(k, dim=1)
-    maxima = sims.unfold(1, block, block).amax(2)   # a strided view of the full blocks: no copy
-    if n > full * block:
-        maxima = torch.cat([maxima, sims[:, full * block:].amax(1, keepdim=True)], dim=1)
-    cols = (maxima.topk(k, dim=1).indices.unsqueeze(2) * block
-            + torch.arange(block, device=sims.device)).reshape(r, k * block)
-    inside = cols < n
-    values = sims.gather(1, cols.clamp_max(n - 1)).masked_fill(~inside, float("-inf"))
-    top, where = values.topk(k, dim=1)
-    return top, cols.gather(1, where)
+    blocks = sims.unfold(1, block, block)                              # (r, full, block): a view
+    best = blocks.amax(2).topk(k, dim=1).indices                       # (r, k) blocks
+    pool = blocks.gather(1, best.unsqueeze(2).expand(r, k, block)).reshape(r, k * block)
+    if n > full * block:                                               # the ragged end: every value a candidate
+        pool = torch.cat([pool, sims[:, full * block:]], dim=1)
+    top, where = pool.topk(k, dim=1)
+    inside = where < k * block
+    cols = best.gather(1, (where // block).clamp_max(k - 1)) * block + where % block
+    return top, torch.where(inside, cols, where - k * block + full * block)
 
 
 class _Search:
     """What both backends share: the raw train features and their float64 inverse norms
-    where the re-rank runs (`device`), and the budget."""
+    where the re-rank runs (`device`), and the budget. A backend's call (queries, kc)
+    returns (ceiling, candidates): each query's kc candidate train indices and a float64
+    bound that the exact similarity of every other training feature lies strictly below
+    or at; knn_search keeps a query's re-ranked candidates once its k-th exact similarity
+    is above the ceiling."""
 
     max_k: int | None = None   # the most candidates one search call can return (None: any)
 
@@ -266,45 +299,84 @@ class _Search:
 
 class _TorchSearch(_Search):
     """Candidates by matmul + top-k where the features live (CPU or GPU), and the exact
-    re-rank there too. On a GPU the candidate pass runs in bf16 with float32 sums: the
-    unit vectors' rounding bounds its error (`tolerance`), which is all the exactness
-    check of knn_search needs."""
+    re-rank there too. On a GPU the pass runs in float16 with float32 sums, at the tensor
+    cores' full rate (bfloat16's, with 8x finer rounding); its rounding bound (`bound`)
+    is all the exactness check of knn_search needs.
 
-    DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}   # the candidate pass, per device type
+    The pass (`__call__`) goes over tiles of queries x bank columns (`tile`): one matmul
+    each, written once as similarities in the pass's dtype, read once for block maxima
+    (_top_candidates), its kc best merged into the query's running kc best. No host sync:
+    the loop only launches work."""
+
+    DTYPES = {"cuda": torch.float16, "cpu": torch.float32}   # the candidate pass, per device type
     BLOCK = 64    # columns per block maximum (_top_candidates)
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
         super().__init__(train, device, budget)
         self.dtype = self.DTYPES.get(device.type, torch.float32)
-        self.unit = normalize(self.train).to(self.dtype)                 # the candidate pass's
+        self.unit, err = unit_rows(self.train, self.dtype, budget)      # the candidate pass's
+        self.train_err = err.max()                                       # the largest row's rounding
+
+    def tile(self, kc: int) -> tuple[int, int]:
+        """(queries, bank columns) of one matmul at kc candidates per query, within the
+        budget: per query, the columns' similarities and their block maxima (with topk's
+        copies), the kc gathered blocks and the running candidates; 4096 queries where
+        that leaves a few block-columns per candidate, else fewer."""
+        n, size, block = self.unit.shape[0], self.unit.element_size(), self.BLOCK
+        fixed = 4 * kc * (size + 8) + kc * block * (2 * size + 8)
+        per_col = size + (2 * size + 8) / block
+        cols = int((self.budget / _MAX_CHUNK - fixed) / per_col) // block * block
+        cols = min(n, max(cols, 2 * kc * block))
+        if cols // block > kc:
+            per_row = fixed + cols * per_col
+        else:   # blocks cannot prune (a wide search of a small bank): whole rows, topk's sort copies
+            cols, per_row = n, 4 * kc * (size + 8) + n * (2 * size + 8)
+        return max(1, min(_MAX_CHUNK, int(self.budget // per_row))), cols
 
     def rows_for(self, kc: int) -> int:
-        """Queries per matmul at kc candidates: a row holds its n similarities, and the
-        top-k's working copies (the block maxima's columns, or a full top-k's sort)."""
-        n, size = self.unit.shape[0], self.unit.element_size()
-        if n // self.BLOCK > kc:
-            row = n * size + kc * self.BLOCK * (size + 17)
-        else:
-            row = n * (2 * size + 16)
-        return max(1, min(_MAX_CHUNK, self.budget // row))
+        """Queries per matmul at kc candidates."""
+        return self.tile(kc)[0]
 
     def tolerance(self, d: int) -> float:
-        """A bound, with a factor 2 to spare, on |candidate-pass similarity - exact| for
-        unit vectors: operand rounding (2u, since sum |q_i t_i| <= 1), float32 accumulation
-        over d terms, and the result's rounding to the pass's dtype (u)."""
-        u = _UNIT[self.dtype]
-        return 2.0 * (3.0 * u + d * 2.0**-24)
+        """The bound's worst case for unit vectors of dim d (every operand rounded by the
+        dtype's unit roundoff, the k-th value near 1): what sets the first candidate
+        count's margin. The exactness check uses `bound`, per query."""
+        u = torch.finfo(self.dtype).eps / 2
+        return 2 * u + u * u + d * _ACCUMULATION[self.dtype] * (1 + u) ** 2 + torch.finfo(self.dtype).eps
 
-    def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sims, idx = [], []
-        unit = normalize(q.to(self.device)).to(self.dtype)
-        rows = self.rows_for(k)
-        with torch.no_grad(), _matmul_precision("highest"), _fp32_accumulation():
+    def bound(self, last: torch.Tensor, err: torch.Tensor, d: int) -> torch.Tensor:
+        """The ceiling (float64) on the exact cosine of any training feature the pass left
+        out, from the last candidate's pass value `last` and the query's operand rounding
+        `err`. For unit q, t and their rounded q~ = q + a, t~ = t + b (|a| = err, |b| <=
+        train_err, measured): |q~.t~ - q.t| <= |a| + |b| + |a||b| (Cauchy-Schwarz); the
+        float32 sum adds at most d * acc * sum|q~_i t~_i| <= d * acc * (1 + |a|)(1 + |b|);
+        the result's rounding to the pass's dtype is faithful, so a left-out value v, whose
+        stored value is <= last, is < next_up(last) <= last + eps |last| + tiny. 1e-12
+        covers the float64 arithmetic of the exact similarities and of this bound."""
+        info, b = torch.finfo(self.dtype), self.train_err
+        last = last.double()
+        operands = err + b + err * b + d * _ACCUMULATION[self.dtype] * (1 + err) * (1 + b)
+        return last + info.eps * last.abs() + info.tiny + operands + 1e-12
+
+    def __call__(self, q: torch.Tensor, kc: int) -> tuple[torch.Tensor, torch.Tensor]:
+        unit, err = unit_rows(q.to(self.device), self.dtype, self.budget)
+        n = self.unit.shape[0]
+        rows, cols = self.tile(kc)
+        last, cand = [], []
+        with torch.no_grad(), _pass_precision():
             for s in range(0, unit.shape[0], rows):
-                v, i = _top_candidates(unit[s:s + rows] @ self.unit.T, k, self.BLOCK)
-                sims.append(v)
-                idx.append(i)
-        return torch.cat(sims), torch.cat(idx)
+                top = idx = None
+                for c in range(0, n, cols):
+                    sims = unit[s:s + rows] @ self.unit[c:c + cols].T
+                    v, i = _top_candidates(sims, min(kc, sims.shape[1]), self.BLOCK)
+                    i = i + c
+                    if top is not None:   # the running kc best: the top of a union is the top of the tops
+                        v, w = torch.cat([top, v], 1).topk(min(kc, top.shape[1] + v.shape[1]), dim=1)
+                        i = torch.cat([idx, i], 1).gather(1, w)
+                    top, idx = v, i
+                last.append(top[:, -1])
+                cand.append(idx)
+        return self.bound(torch.cat(last), err, unit.shape[1]), torch.cat(cand)
 
 
 class _FaissSearch(_Search):
@@ -325,6 +397,8 @@ class _FaissSearch(_Search):
         self.index.add(normalize(train).numpy())
 
     def tolerance(self, d: int) -> float:
+        """|FAISS's float32 inner product of the float32 unit vectors - the exact cosine|,
+        with a factor 2 to spare."""
         return 2.0 * (2.0 * 2.0**-24 + d * 2.0**-24)
 
     def rows_for(self, kc: int) -> int:
@@ -332,7 +406,8 @@ class _FaissSearch(_Search):
 
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         sims, idx = self.index.search(normalize(q).numpy(), k)
-        return torch.from_numpy(sims), torch.from_numpy(idx).long()
+        last = torch.from_numpy(sims[:, -1]).double()
+        return last + self.tolerance(q.shape[1]), torch.from_numpy(idx).long()
 
 
 # --------------------------------------------------------------------------- exact re-rank
@@ -425,42 +500,39 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     n, d = train.shape
     k = check_ks([k], n)[0]
     search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev, budget)
-    # A training feature whose candidate-pass similarity is below (k-th exact - tol)
-    # cannot be among the k nearest: tol bounds the candidate pass's rounding.
+    # a coarser pass needs more candidates for its exactness check to pass at once
     tol = search.tolerance(d)
-    # a coarser pass needs more candidates for its check to pass at once
     margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
     first = min(n, k + margin)
     if chunk_size is None:  # one candidate matmul per chunk: a remainder would read the train features again
         chunk_size = min(pass_rows(first, budget), search.rows_for(first))
     chunk_size = int(max(1, min(_MAX_CHUNK, chunk_size)))
 
+    # Every query is searched at kc candidates, in chunks; those whose k-th exact similarity
+    # is not above the ceiling of what the pass left out are searched again at 4x, all
+    # together: one host sync per round (the count), none per chunk.
     at = search.device   # results stay there until the end: one copy back, not one per chunk
     out_s = torch.empty(test.shape[0], k, dtype=torch.float64, device=at)
     out_i = torch.empty(test.shape[0], k, dtype=torch.int64, device=at)
-    for start in range(0, test.shape[0], chunk_size):
-        pending = torch.arange(start, min(start + chunk_size, test.shape[0]), device=test.device)
-        kc = first
-        while pending.numel():
-            whole = kc >= n or (search.max_k is not None and kc > search.max_k)
-            per = pending.numel() if whole else pass_rows(kc, budget)
-            left = []
-            for s in range(0, pending.numel(), per):
-                rows = pending[s:s + per]
-                q = test[rows]
-                if whole:   # every training feature is a candidate: re-rank them all, no search
-                    exact, cand = _rerank(search, q, None, k)
-                    done = torch.ones(rows.numel(), dtype=torch.bool, device=at)
-                else:       # the search's last (smallest) candidate must be clearly below the k-th
-                    approx, cand = search(q, kc)
-                    exact, cand = _rerank(search, q, cand.to(at), k)
-                    done = approx[:, -1].to(at, torch.float64) < exact[:, k - 1] - tol
-                mine = rows.to(at)[done]
-                out_s[mine] = exact[done]
-                out_i[mine] = cand[done]
-                left.append(rows[~done.to(rows.device)])
-            pending = torch.cat(left)
-            kc = min(n, 4 * kc)
+    pending, kc = torch.arange(test.shape[0], device=at), first
+    while pending.numel():
+        whole = kc >= n or (search.max_k is not None and kc > search.max_k)
+        per = min(chunk_size, pass_rows(kc, budget))
+        asked, missed = [], []
+        for s in range(0, pending.numel(), per):
+            rows = pending[s:s + per]
+            q = test[rows.to(test.device)]
+            if whole:   # every training feature is a candidate: re-rank them all, no search
+                exact, cand = _rerank(search, q, None, k)
+            else:       # kept where the k-th is above everything the search left out
+                ceiling, cand = search(q, kc)
+                exact, cand = _rerank(search, q, cand.to(at), k)
+                asked.append(rows)
+                missed.append(ceiling.to(at) >= exact[:, k - 1])
+            out_s.index_copy_(0, rows, exact)
+            out_i.index_copy_(0, rows, cand)
+        pending = torch.cat(asked)[torch.cat(missed)] if asked else pending[:0]
+        kc = min(n, 4 * kc)
     return out_s.cpu(), out_i.cpu()
 
 
