@@ -478,6 +478,13 @@ def _rerank(search: _Search, q: torch.Tensor, cand: torch.Tensor | None, k: int)
 
 # --------------------------------------------------------------------------- search
 
+def first_candidates(k: int, tol: float, n: int) -> int:
+    """Candidates per query of the first pass: a coarser pass (its worst-case bound `tol`)
+    needs a wider margin for its exactness check to pass at once."""
+    margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
+    return min(n, k + margin)
+
+
 def knn_search(train_features, test_features, k: int, backend: str = "auto",
                chunk_size: int | None = None, device=None,
                budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,10 +507,7 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     n, d = train.shape
     k = check_ks([k], n)[0]
     search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev, budget)
-    # a coarser pass needs more candidates for its exactness check to pass at once
-    tol = search.tolerance(d)
-    margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
-    first = min(n, k + margin)
+    first = first_candidates(k, search.tolerance(d), n)
     if chunk_size is None:  # one candidate matmul per chunk: a remainder would read the train features again
         chunk_size = min(pass_rows(first, budget), search.rows_for(first))
     chunk_size = int(max(1, min(_MAX_CHUNK, chunk_size)))
