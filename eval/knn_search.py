@@ -96,12 +96,6 @@ def _features(x, name: str, device="cpu") -> torch.Tensor:
     return x
 
 
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    """Unit rows in float32, where x is: what the candidate passes search (the exact
-    re-rank normalises in float64 itself)."""
-    return torch.nn.functional.normalize(x.float(), dim=1, eps=1e-12).contiguous()
-
-
 def check_ks(ks, n_train: int, key: str = "knn.k") -> list[int]:
     """k values as a sorted list of ints; accepts 20, [10, 20], "10,20". `key`: the config
     key the messages name (the one the user sets)."""
@@ -157,8 +151,8 @@ def faiss_gpu_works(device_index: int = 0) -> bool:
         try:
             if faiss.get_num_gpus() > device_index:
                 g = torch.Generator().manual_seed(0)
-                xb = normalize(torch.randn(2000, 64, generator=g)).numpy()
-                xq = normalize(torch.randn(64, 64, generator=g)).numpy()
+                xb = torch.nn.functional.normalize(torch.randn(2000, 64, generator=g), dim=1).numpy()
+                xq = torch.nn.functional.normalize(torch.randn(64, 64, generator=g), dim=1).numpy()
                 res = faiss.StandardGpuResources()
                 conf = faiss.GpuIndexFlatConfig()
                 conf.device = device_index
@@ -237,24 +231,38 @@ def _pass_precision():
         m.allow_fp16_accumulation = old[3]
 
 
-def unit_rows(x: torch.Tensor, dtype: torch.dtype, budget: int = BUDGET) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unit, err): the rows of x as unit vectors in `dtype`, what a candidate pass
-    multiplies, and |unit_i - x_i / |x_i||_2 in float64 against the exact unit vector: the
-    operand rounding its bound needs, measured rather than assumed. Subnormal values are
-    set to 0 (tensor cores may flush them), so err is the rounding the matmul sees. In
-    chunks of the budget (no float32 copy of all of x)."""
+def unit_rows(x: torch.Tensor, dtype: torch.dtype, inv: torch.Tensor,
+              budget: int = BUDGET) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, err): the rows of x (float32) as unit vectors in `dtype`, what a candidate
+    pass multiplies, and a float64 bound per row on |unit_i - x_i / |x_i||_2, the operand
+    rounding the pass's bound needs, measured rather than assumed. inv: x's float64
+    inverse norms (_inverse_norms).
+
+    v = x * float32(inv) is within (2u + u^2)|x_i / |x_i|| + 2^-150 of the exact unit
+    vector in each value (u = 2^-24: inv's rounding and the product's; 2^-150 where the
+    product is subnormal), so within 2^-22 in norm for any d below 2^200. unit = v rounded
+    to `dtype`, its subnormal values set to 0 (tensor cores may flush them): unit - v is
+    then exact in float32 (two values within a factor 2 of each other, or -v where set to
+    0), and its float32 norm is within a relative (d/2 + 1) 2^-24 of the true one. A row
+    whose inverse norm float32 cannot hold (|x_i| below 1e-38) is set to 0, err 1 + 2^-22:
+    a correct, useless bound. In chunks of the budget, float32 only: no float64 copy."""
     n, d = x.shape
     unit = torch.empty(n, d, dtype=dtype, device=x.device)
     err = torch.empty(n, dtype=torch.float64, device=x.device)
-    tiny = torch.finfo(dtype).tiny
-    rows = max(1, budget // (48 * max(1, d)))
+    tiny, grow = torch.finfo(dtype).tiny, 1.0 + (d / 2 + 1) * 2.0**-24
+    rows = max(1, budget // (32 * max(1, d)))
     for s in range(0, n, rows):
-        xs = x[s:s + rows]
-        u = normalize(xs).to(dtype)
-        u = u.masked_fill(u.abs() < tiny, 0)
-        unit[s:s + rows] = u
-        exact = xs.double() * _inverse_norms(xs, budget).unsqueeze(1)
-        err[s:s + rows] = torch.linalg.vector_norm(u.double() - exact, dim=1)
+        xs, iv, u = x[s:s + rows], inv[s:s + rows], unit[s:s + rows]
+        small = iv > 1e38
+        scale = iv.masked_fill(small, 0).float().unsqueeze(1)
+        if dtype == torch.float32:   # unit = v, but for subnormals a CPU may flush: below 2^-126 sqrt(d)
+            torch.mul(xs, scale, out=u)
+            e = torch.full_like(iv, d**0.5 * tiny)
+        else:
+            v = xs * scale
+            u.copy_(v.masked_fill(v.abs() < tiny, 0))   # what rounds to a subnormal (or just above): 0
+            e = torch.linalg.vector_norm(u.float() - v, dim=1).double()
+        err[s:s + rows] = (e * grow + 2.0**-22).masked_fill(small, 1.0 + 2.0**-22)
     return unit, err
 
 
@@ -283,18 +291,47 @@ def _top_candidates(sims: torch.Tensor, k: int, block: int) -> tuple[torch.Tenso
 
 class _Search:
     """What both backends share: the raw train features and their float64 inverse norms
-    where the re-rank runs (`device`), and the budget. A backend's call (queries, kc)
-    returns (ceiling, candidates): each query's kc candidate train indices and a float64
-    bound that the exact similarity of every other training feature lies strictly below
-    or at; knn_search keeps a query's re-ranked candidates once its k-th exact similarity
-    is above the ceiling."""
+    where the re-rank runs (`device`), the budget, the unit vectors a pass multiplies (in
+    `dtype`, each row's rounding measured: unit_rows) and the pass's rounding bound. A
+    backend's call (queries, kc) returns (ceiling, candidates): each query's kc candidate
+    train indices and a float64 value that the exact similarity of no other training
+    feature exceeds; knn_search keeps a query's re-ranked candidates once its k-th exact
+    similarity is above the ceiling."""
 
     max_k: int | None = None   # the most candidates one search call can return (None: any)
 
-    def __init__(self, train: torch.Tensor, device: torch.device, budget: int):
-        self.device, self.budget = device, budget
+    def __init__(self, train: torch.Tensor, device: torch.device, budget: int, dtype: torch.dtype):
+        self.device, self.budget, self.dtype = device, budget, dtype
         self.train = train.to(device)                                    # raw, float32: the re-rank's
         self.inv_norm = _inverse_norms(self.train, budget)
+        self.unit, err = unit_rows(self.train, dtype, self.inv_norm, budget)   # the candidate pass's
+        self.train_err = err.max()                                       # the largest row's rounding
+
+    def queries(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """unit_rows of the queries, where the pass runs."""
+        q = q.to(self.device)
+        return unit_rows(q, self.dtype, _inverse_norms(q, self.budget), self.budget)
+
+    def tolerance(self, d: int) -> float:
+        """The bound's worst case for unit vectors of dim d (every operand rounded by the
+        dtype's unit roundoff, the k-th value near 1): what sets the first candidate
+        count's margin. The exactness check uses `bound`, per query."""
+        u = torch.finfo(self.dtype).eps / 2
+        return 2 * u + u * u + d * _ACCUMULATION[self.dtype] * (1 + u) ** 2 + torch.finfo(self.dtype).eps
+
+    def bound(self, last: torch.Tensor, err: torch.Tensor, d: int) -> torch.Tensor:
+        """The ceiling (float64) on the exact cosine of any training feature the pass left
+        out, from the last candidate's pass value `last` and the query's operand rounding
+        `err`. For unit q, t and their rounded q~ = q + a, t~ = t + b (|a| = err, |b| <=
+        train_err, measured): |q~.t~ - q.t| <= |a| + |b| + |a||b| (Cauchy-Schwarz); the
+        float32 sum adds at most d * acc * sum|q~_i t~_i| <= d * acc * (1 + |a|)(1 + |b|);
+        the result's rounding to the pass's dtype is faithful, so a left-out value v, whose
+        stored value is <= last, is < next_up(last) <= last + eps |last| + tiny. 1e-12
+        covers the float64 arithmetic of the exact similarities and of this bound."""
+        info, b = torch.finfo(self.dtype), self.train_err
+        last = last.to(b.device, torch.float64)
+        operands = err + b + err * b + d * _ACCUMULATION[self.dtype] * (1 + err) * (1 + b)
+        return last + info.eps * last.abs() + info.tiny + operands + 1e-12
 
 
 class _TorchSearch(_Search):
@@ -312,10 +349,7 @@ class _TorchSearch(_Search):
     BLOCK = 64    # columns per block maximum (_top_candidates)
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
-        super().__init__(train, device, budget)
-        self.dtype = self.DTYPES.get(device.type, torch.float32)
-        self.unit, err = unit_rows(self.train, self.dtype, budget)      # the candidate pass's
-        self.train_err = err.max()                                       # the largest row's rounding
+        super().__init__(train, device, budget, self.DTYPES.get(device.type, torch.float32))
 
     def tile(self, kc: int) -> tuple[int, int]:
         """(queries, bank columns) of one matmul at kc candidates per query, within the
@@ -337,29 +371,8 @@ class _TorchSearch(_Search):
         """Queries per matmul at kc candidates."""
         return self.tile(kc)[0]
 
-    def tolerance(self, d: int) -> float:
-        """The bound's worst case for unit vectors of dim d (every operand rounded by the
-        dtype's unit roundoff, the k-th value near 1): what sets the first candidate
-        count's margin. The exactness check uses `bound`, per query."""
-        u = torch.finfo(self.dtype).eps / 2
-        return 2 * u + u * u + d * _ACCUMULATION[self.dtype] * (1 + u) ** 2 + torch.finfo(self.dtype).eps
-
-    def bound(self, last: torch.Tensor, err: torch.Tensor, d: int) -> torch.Tensor:
-        """The ceiling (float64) on the exact cosine of any training feature the pass left
-        out, from the last candidate's pass value `last` and the query's operand rounding
-        `err`. For unit q, t and their rounded q~ = q + a, t~ = t + b (|a| = err, |b| <=
-        train_err, measured): |q~.t~ - q.t| <= |a| + |b| + |a||b| (Cauchy-Schwarz); the
-        float32 sum adds at most d * acc * sum|q~_i t~_i| <= d * acc * (1 + |a|)(1 + |b|);
-        the result's rounding to the pass's dtype is faithful, so a left-out value v, whose
-        stored value is <= last, is < next_up(last) <= last + eps |last| + tiny. 1e-12
-        covers the float64 arithmetic of the exact similarities and of this bound."""
-        info, b = torch.finfo(self.dtype), self.train_err
-        last = last.double()
-        operands = err + b + err * b + d * _ACCUMULATION[self.dtype] * (1 + err) * (1 + b)
-        return last + info.eps * last.abs() + info.tiny + operands + 1e-12
-
     def __call__(self, q: torch.Tensor, kc: int) -> tuple[torch.Tensor, torch.Tensor]:
-        unit, err = unit_rows(q.to(self.device), self.dtype, self.budget)
+        unit, err = self.queries(q)
         n = self.unit.shape[0]
         rows, cols = self.tile(kc)
         last, cand = [], []
@@ -380,10 +393,13 @@ class _TorchSearch(_Search):
 
 
 class _FaissSearch(_Search):
+    """FAISS's exact flat index over the float32 unit vectors (IEEE float32 sums, in BLAS
+    or its own loops: the float32 bound of _Search)."""
+
     GPU_MAX_K = 2048   # faiss's GPU indexes select at most this many neighbours per query
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
-        super().__init__(train, torch.device("cpu"), budget)   # its results and the re-rank: on the CPU
+        super().__init__(train, torch.device("cpu"), budget, torch.float32)   # results, re-rank: on the CPU
         faiss = _faiss()
         d = train.shape[1]
         if device.type == "cuda":
@@ -394,20 +410,16 @@ class _FaissSearch(_Search):
             self.max_k = self.GPU_MAX_K
         else:
             self.index = faiss.IndexFlatIP(d)
-        self.index.add(normalize(train).numpy())
-
-    def tolerance(self, d: int) -> float:
-        """|FAISS's float32 inner product of the float32 unit vectors - the exact cosine|,
-        with a factor 2 to spare."""
-        return 2.0 * (2.0 * 2.0**-24 + d * 2.0**-24)
+        self.index.add(self.unit.numpy())
+        self.unit = None   # the index holds its own copy
 
     def rows_for(self, kc: int) -> int:
         return _MAX_CHUNK
 
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sims, idx = self.index.search(normalize(q).numpy(), k)
-        last = torch.from_numpy(sims[:, -1]).double()
-        return last + self.tolerance(q.shape[1]), torch.from_numpy(idx).long()
+        unit, err = self.queries(q)
+        sims, idx = self.index.search(unit.numpy(), k)
+        return self.bound(torch.from_numpy(sims[:, -1]), err, q.shape[1]), torch.from_numpy(idx).long()
 
 
 # --------------------------------------------------------------------------- exact re-rank

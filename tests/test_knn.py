@@ -184,13 +184,14 @@ def bound_holds(dtype, device):
     for name, (tr, te) in sets.items():
         search = S._TorchSearch.__new__(S._TorchSearch)
         search.dtype = dtype
-        search.unit, err = S.unit_rows(tr.to(device), dtype)
+        tr, te = tr.to(device), te.to(device)
+        search.unit, err = S.unit_rows(tr, dtype, S._inverse_norms(tr))
         search.train_err = err.max()
-        unit, err = S.unit_rows(te.to(device), dtype)
-        assert (err <= torch.finfo(dtype).eps).all()                           # the measured rounding
+        unit, err = S.unit_rows(te, dtype, S._inverse_norms(te))
+        assert (err <= torch.finfo(dtype).eps + 2.0**-21).all()               # the measured rounding
         with S._pass_precision():
             sims = unit @ search.unit.T
-        ref = torch.from_numpy(np.stack([plain_cosines(tr.numpy(), q) for q in te.numpy()]))
+        ref = torch.from_numpy(np.stack([plain_cosines(tr.cpu().numpy(), q) for q in te.cpu().numpy()]))
         sims, ceiling = sims.cpu(), search.bound(sims, err.unsqueeze(1), d).cpu()
         assert (ref <= ceiling).all(), name
         worst = max(worst, float(((sims.double() - ref).abs() / (ceiling - sims.double())).max()))
@@ -201,6 +202,24 @@ def bound_holds(dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_candidate_pass_rounding_bound_holds_for_every_pair(dtype):
     bound_holds(dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_features_of_any_scale_stay_exact(monkeypatch, dtype):
+    """Rows of norm 1e-40 (subnormal floats: a unit vector float32 cannot scale to; their
+    bound is then vacuous and every query widens to the whole set), 1e-20, 1e20 and 0,
+    in the bank and among the queries: the float64 brute force's neighbours. (F.normalize's
+    eps would have made a 1e-20 row a 1e-8 vector and its neighbours wrong.)"""
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", dtype)
+    xtr, _, xte, _ = random_features(n_train=300, n_test=12, dim=16, seed=4)
+    for rows, scale in ((slice(0, 3), 1e-40), (slice(3, 6), 1e-20), (slice(6, 9), 1e20), (slice(9, 10), 0.0)):
+        xtr[rows] = xtr[rows] / np.linalg.norm(xtr[rows], axis=1, keepdims=True) * np.float32(scale)
+    xte[:3] = xtr[[1, 4, 7]]          # queries on the scaled rows
+    xte[3] = xte[3] * np.float32(1e-40)
+    for train in (xtr, xtr[3:]):      # with and without the rows float32 cannot scale
+        assert_exact(knn_search(train, xte, 20, backend="torch", device="cpu"), train, xte, 20)
+        if HAVE_FAISS:
+            assert_exact(knn_search(train, xte, 20, backend="faiss", device="cpu"), train, xte, 20)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 7), (5, 13), (64, 100), (3, 1000), (200, 3001)])
