@@ -241,11 +241,13 @@ def unit_rows(x: torch.Tensor, dtype: torch.dtype, inv: torch.Tensor,
     v = x * float32(inv) is within (2u + u^2)|x_i / |x_i|| + 2^-150 of the exact unit
     vector in each value (u = 2^-24: inv's rounding and the product's; 2^-150 where the
     product is subnormal), so within 2^-22 in norm for any d below 2^200. unit = v rounded
-    to `dtype`, its subnormal values set to 0 (tensor cores may flush them): unit - v is
-    then exact in float32 (two values within a factor 2 of each other, or -v where set to
-    0), and its float32 norm is within a relative (d/2 + 1) 2^-24 of the true one. A row
-    whose inverse norm float32 cannot hold (|x_i| below 1e-38) is set to 0, err 1 + 2^-22:
-    a correct, useless bound. In chunks of the budget, float32 only: no float64 copy."""
+    to `dtype`; for float16 the values that would round to a subnormal are set to 0 first
+    (tensor cores may flush them), and a device's flush of float32-range subnormals adds at
+    most 2^-126 sqrt(d). unit - v is exact in float32 (two values within a factor 2 of each
+    other, or -v where set to 0), and its float32 norm is within a relative (d/2 + 1) 2^-24
+    of the true one. A row whose inverse norm float32 cannot hold (|x_i| below 1e-38) is
+    set to 0, err 1 + 2^-22: a correct, useless bound. In chunks of the budget, float32
+    only: no float64 copy."""
     n, d = x.shape
     unit = torch.empty(n, d, dtype=dtype, device=x.device)
     err = torch.empty(n, dtype=torch.float64, device=x.device)
@@ -255,14 +257,16 @@ def unit_rows(x: torch.Tensor, dtype: torch.dtype, inv: torch.Tensor,
         xs, iv, u = x[s:s + rows], inv[s:s + rows], unit[s:s + rows]
         small = iv > 1e38
         scale = iv.masked_fill(small, 0).float().unsqueeze(1)
-        if dtype == torch.float32:   # unit = v, but for subnormals a CPU may flush: below 2^-126 sqrt(d)
+        if dtype == torch.float32:   # unit = v
             torch.mul(xs, scale, out=u)
-            e = torch.full_like(iv, d**0.5 * tiny)
+            e = torch.zeros_like(iv)
         else:
             v = xs * scale
-            u.copy_(v.masked_fill(v.abs() < tiny, 0))   # what rounds to a subnormal (or just above): 0
-            e = torch.linalg.vector_norm(u.float() - v, dim=1).double()
-        err[s:s + rows] = (e * grow + 2.0**-22).masked_fill(small, 1.0 + 2.0**-22)
+            if tiny > torch.finfo(torch.float32).tiny:   # float16: what would round to a subnormal is 0
+                v = torch.nn.functional.hardshrink(v, tiny)
+            u.copy_(v)
+            e = torch.linalg.vector_norm(torch.sub(u, v), dim=1).double()   # u - v in float32, exact
+        err[s:s + rows] = (e * grow + 2.0**-22 + d**0.5 * 2.0**-126).masked_fill(small, 1.0 + 2.0**-22)
     return unit, err
 
 
