@@ -666,20 +666,34 @@ def _knn_pass(ctx, train, test) -> dict:
     """knn_search's candidate pass alone (eval/knn_search.py _TorchSearch), features
     already on the device: all queries at the first pass's candidate count, its tiles and
     block maxima, no re-rank (what the exact path adds to it is the `torch-device` line
-    minus this one)."""
-    from resmlp.eval.knn_search import _TorchSearch, first_candidates
+    minus this one). Also its tiles' matmuls alone (`matmul_s`) and with the block maxima
+    (`maxima_s`): where the pass's time goes."""
+    from resmlp.eval.knn_search import _pass_precision, _TorchSearch, first_candidates
     k, dev = ctx.p.knn, ctx.device
     reset_memory(dev)
     n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     train, test = train.to(dev), test[:n].to(dev)
     search = _TorchSearch(train, dev)
     kc = first_candidates(int(k.k), search.tolerance(train.shape[1]), train.shape[0])
-    t = measure(lambda: search(test, kc), dev, warmup=1, calls=1, repeats=max(1, int(k.repeats)))
     rows, cols = search.tile(kc)
+    unit = search.queries(test)[0]
+
+    def tiles(maxima: bool):
+        with torch.no_grad(), _pass_precision():
+            for s in range(0, n, rows):
+                for c in range(0, search.unit.shape[0], cols):
+                    sims = unit[s:s + rows] @ search.unit[c:c + cols].T
+                    if maxima:
+                        sims.unfold(1, search.BLOCK, search.BLOCK).amax(2)
+    repeats = max(1, int(k.repeats))
+    stages = {name: measure(fn, dev, warmup=1, calls=1, repeats=repeats).seconds
+              for name, fn in (("matmul_s", lambda: tiles(False)), ("maxima_s", lambda: tiles(True)))}
+    t = measure(lambda: search(test, kc), dev, warmup=1, calls=1, repeats=repeats)
     return {"device": dev.type, "queries": n, "seconds": t.seconds, "seconds_full": t.seconds * k.n_test / n,
-            "queries_per_s": n / t.seconds, "mem_gb": peak_memory_gb(dev),
+            "queries_per_s": n / t.seconds, "mem_gb": peak_memory_gb(dev), **stages,
             "note": f"{str(search.dtype).replace('torch.', '')} pass, {kc} candidates, tiles of {rows} x {cols}, "
-                    f"no re-rank"}
+                    f"no re-rank; matmuls alone {stages['matmul_s']:.3f} s, with the block maxima "
+                    f"{stages['maxima_s']:.3f} s"}
 
 
 def _knn_raw(ctx, train, test, dtype) -> dict:

@@ -153,6 +153,7 @@ def test_the_knn_row_times_a_baseline_alternated_and_the_pass_alone(tmp_path, ca
         assert len(r["repeats"]) == len(r["baseline_repeats"]) == 2 and r["vs_baseline"] > 0
     assert knn["torch-fp16"]["pass_dtype"] == "float16" and "pass_dtype" not in knn["torch"]
     assert knn["torch-pass"]["status"] == "ok" and "30 candidates, tiles of" in knn["torch-pass"]["note"]
+    assert 0 < knn["torch-pass"]["matmul_s"] and 0 < knn["torch-pass"]["maxima_s"]
     assert ours._TorchSearch.DTYPES["cpu"] == torch.float32            # put back
     capsys.readouterr()
     missing = tmp_path / "missing"
