@@ -210,25 +210,34 @@ def backend_name(backend: str = "auto", device=None) -> str:
 _ACCUMULATION = {torch.float32: 2.0**-22, torch.float16: 2.0**-21, torch.bfloat16: 2.0**-21}
 
 
+def _cublas_setting(name: str):
+    """A cuBLAS flag of torch.backends.cuda.matmul as it can be set back: with its split-K
+    part where this torch has one."""
+    m = torch.backends.cuda.matmul
+    try:
+        return getattr(m, name), getattr(m, name + "_split_k")
+    except AttributeError:
+        return getattr(m, name)
+
+
 @contextlib.contextmanager
 def _pass_precision():
     """The candidate pass's matmuls as its rounding bound assumes them: float32 operands
     multiplied in float32 (no TF32), float16 / bfloat16 products summed in float32 (cuBLAS
     may otherwise reduce in the operands' precision, or accumulate float16 in float16)."""
     m = torch.backends.cuda.matmul
-    old = (torch.get_float32_matmul_precision(), torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
-           torch._C._get_cublas_allow_bf16_reduced_precision_reduction(), m.allow_fp16_accumulation)
+    names = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction",
+             "allow_fp16_accumulation")
+    old = torch.get_float32_matmul_precision(), [_cublas_setting(name) for name in names]
     torch.set_float32_matmul_precision("highest")
-    m.allow_fp16_reduced_precision_reduction = False
-    m.allow_bf16_reduced_precision_reduction = False
-    m.allow_fp16_accumulation = False
+    for name in names:
+        setattr(m, name, False)
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(old[0])
-        m.allow_fp16_reduced_precision_reduction = tuple(old[1])
-        m.allow_bf16_reduced_precision_reduction = tuple(old[2])
-        m.allow_fp16_accumulation = old[3]
+        for name, value in zip(names, old[1]):
+            setattr(m, name, value)
 
 
 def unit_rows(x: torch.Tensor, dtype: torch.dtype, inv: torch.Tensor,
