@@ -201,7 +201,7 @@ def backend_name(backend: str = "auto", device=None) -> str:
     return f"{name}-{'gpu' if name == 'faiss' and dev.type == 'cuda' else dev.type}"
 
 
-# The candidate pass's rounding, per dtype of its operands (see _TorchSearch.bound).
+# The candidate pass's rounding, per dtype of its operands (see _Search.bound).
 # Accumulation: a bound per summed product, relative to the sum of |products|. float32 on a
 # CPU or in CUDA cores: IEEE sums, whose recursive bound is d 2^-24 in any order; 2^-22
 # spares a factor 4. float16 / bfloat16 on tensor cores: the products are exact in float32
