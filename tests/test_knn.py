@@ -234,6 +234,15 @@ def test_any_tile_of_the_pass_gives_the_exact_neighbours(monkeypatch, rows, cols
     assert_exact(knn_search(train, test, 20, backend="torch", device="cpu"), train, test, 20)
 
 
+@pytest.mark.parametrize("budget", [2**12, 2**16])
+def test_tiny_budgets_give_the_exact_neighbours(monkeypatch, budget):
+    """4 KiB and 64 KiB for the float16 pass's tiles and the re-rank: a query per tile, a
+    few candidates per re-rank tile, the same neighbours."""
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
+    train, test = near_tie_features(n_background=500, m=4, ties=40, d=24)
+    assert_exact(knn_search(train, test, 20, backend="torch", device="cpu", budget=budget), train, test, 20)
+
+
 def test_the_pass_tiles_fit_the_budget():
     """tile(kc): 4096 queries x a multiple of the block where the budget allows (the H100
     bench's 1.28M x 384 at 512 MiB: float16 tiles of 45k columns), fewer queries where it
