@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -548,19 +549,55 @@ def knn_family(ctx) -> None:
         ctx.attempt("knn", ident, lambda: _knn_one(ctx, str(backend), data()))
 
 
+_PASS_DTYPES = {"torch-fp16": torch.float16, "torch-bf16": torch.bfloat16, "torch-fp32": torch.float32}
+
+
+@contextlib.contextmanager
+def _pass_dtype(modules, device: torch.device, dtype):
+    """knn_search's candidate pass in `dtype` on `device` for the block (None: its default),
+    in each module given (ours, and a baseline's)."""
+    old = [m._TorchSearch.DTYPES.get(device.type) for m in modules]
+    for m in modules:
+        if dtype is not None:
+            m._TorchSearch.DTYPES[device.type] = dtype
+    try:
+        yield
+    finally:
+        for m, o in zip(modules, old):
+            if o is None:
+                m._TorchSearch.DTYPES.pop(device.type, None)
+            else:
+                m._TorchSearch.DTYPES[device.type] = o
+
+
+def _knn_baseline(path):
+    """Another eval/knn_search.py (e.g. an earlier commit's: `git show <commit>:eval/knn_search.py
+    > /tmp/knn_before.py`), imported under its own name, or None."""
+    if not path:
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("knn_search_baseline", str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _knn_one(ctx, backend: str, data) -> dict:
     train, train_y, test, test_y, classes = data
     k, dev = ctx.p.knn, ctx.device
     on_gpu = dev.type == "cuda"
+    dtype = None
     if backend == "torch":
         where, name = dev, "torch"
-    elif backend == "torch-device":  # the features already on the GPU, as the trainer's extraction leaves them
-        if not on_gpu:
+    elif backend == "torch-device" or backend in _PASS_DTYPES:   # the features on the device, as the trainer's
+        if backend == "torch-device" and not on_gpu:                # extraction leaves them
             raise Skip("no GPU")
-        where, name = dev, "torch"
+        where, name, dtype = dev, "torch", _PASS_DTYPES.get(backend)
         train, test = train.to(dev), test.to(dev)
     elif backend in ("torch-raw", "torch-raw-bf16"):
         return _knn_raw(ctx, train, test, torch.bfloat16 if backend.endswith("bf16") else torch.float32)
+    elif backend == "torch-pass":
+        return _knn_pass(ctx, train, test)
     elif backend in ("faiss-gpu", "faiss-cpu"):
         try:
             import faiss  # noqa: F401
@@ -576,20 +613,87 @@ def _knn_one(ctx, backend: str, data) -> dict:
         else:
             where, name = torch.device("cpu"), "faiss"
     else:
-        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-raw, "
-                         f"torch-raw-bf16, faiss-gpu, faiss-cpu")
-    from resmlp.eval.knn import knn_classify
+        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-fp16, "
+                         f"torch-bf16, torch-fp32, torch-pass, torch-raw, torch-raw-bf16, faiss-gpu, faiss-cpu")
+    import resmlp.eval.knn as knn
+    from resmlp.eval import knn_search as ours
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
-    knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where)  # warm up
-    sync(dev)
-    t0 = time.perf_counter()
-    scores = knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07, backend=name,
-                          device=where)
-    sync(dev)
-    sec = time.perf_counter() - t0
-    top1 = float((scores.argmax(1) == test_y[:n]).float().mean() * 100)
-    return {"device": where.type, "queries": n, "seconds": sec, "seconds_full": sec * test.shape[0] / n,
-            "queries_per_s": n / sec, "top1": top1, "mem_gb": peak_memory_gb(dev)}
+    base = _knn_baseline(k.baseline) if name == "torch" else None
+    searches = {"ours": ours.knn_search, **({"baseline": base.knn_search} if base else {})}
+    scores = {}
+
+    def classify(which):
+        def run():
+            knn.knn_search = searches[which]   # knn_classify's search, ours or the baseline's
+            try:
+                scores[which] = knn.knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07,
+                                                 backend=name, device=where)
+            finally:
+                knn.knn_search = ours.knn_search
+        return run
+    # Warmed up on a small bank (the libraries, the allocator, the device), then timed on
+    # the whole one: ours and the baseline's in alternating repeats (A B A B), the median.
+    times = {which: [] for which in searches}
+    with _pass_dtype([ours, *([base] if base else [])], where, dtype):
+        for which in searches:
+            knn.knn_search = searches[which]
+            try:
+                knn.knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name,
+                                 device=where)
+            finally:
+                knn.knn_search = ours.knn_search
+        for _ in range(max(int(k.repeats), 2 if base else 1)):
+            for which in searches:
+                sync(dev)
+                t0 = time.perf_counter()
+                classify(which)()
+                sync(dev)
+                times[which].append(time.perf_counter() - t0)
+    sec = statistics.median(times["ours"])
+    top1 = float((scores["ours"].argmax(1) == test_y[:n]).float().mean() * 100)
+    out = {"device": where.type, "queries": n, "seconds": sec, "seconds_full": sec * test.shape[0] / n,
+           "queries_per_s": n / sec, "top1": top1, "mem_gb": peak_memory_gb(dev), "repeats": times["ours"]}
+    if dtype is not None:
+        out["pass_dtype"] = str(dtype).replace("torch.", "")
+    if base:
+        b = statistics.median(times["baseline"])
+        out.update(baseline=str(k.baseline), baseline_seconds=b, baseline_repeats=times["baseline"],
+                   vs_baseline=b / sec, same_as_baseline=bool(torch.equal(scores["ours"], scores["baseline"])))
+    return out
+
+
+def _knn_pass(ctx, train, test) -> dict:
+    """knn_search's candidate pass alone (eval/knn_search.py _TorchSearch), features
+    already on the device: all queries at the first pass's candidate count, its tiles and
+    block maxima, no re-rank (what the exact path adds to it is the `torch-device` line
+    minus this one). Also its tiles' matmuls alone (`matmul_s`) and with the block maxima
+    (`maxima_s`): where the pass's time goes."""
+    from resmlp.eval.knn_search import _pass_precision, _TorchSearch, first_candidates
+    k, dev = ctx.p.knn, ctx.device
+    reset_memory(dev)
+    n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
+    train, test = train.to(dev), test[:n].to(dev)
+    search = _TorchSearch(train, dev)
+    kc = first_candidates(int(k.k), search.tolerance(train.shape[1]), train.shape[0])
+    rows, cols = search.tile(kc)
+    unit = search.queries(test)[0]
+
+    def tiles(maxima: bool):
+        with torch.no_grad(), _pass_precision():
+            for s in range(0, n, rows):
+                for c in range(0, search.unit.shape[0], cols):
+                    sims = unit[s:s + rows] @ search.unit[c:c + cols].T
+                    if maxima:
+                        sims.unfold(1, search.BLOCK, search.BLOCK).amax(2)
+    repeats = max(1, int(k.repeats))
+    stages = {name: measure(fn, dev, warmup=1, calls=1, repeats=repeats).seconds
+              for name, fn in (("matmul_s", lambda: tiles(False)), ("maxima_s", lambda: tiles(True)))}
+    t = measure(lambda: search(test, kc), dev, warmup=1, calls=1, repeats=repeats)
+    return {"device": dev.type, "queries": n, "seconds": t.seconds, "seconds_full": t.seconds * k.n_test / n,
+            "queries_per_s": n / t.seconds, "mem_gb": peak_memory_gb(dev), **stages,
+            "note": f"{str(search.dtype).replace('torch.', '')} pass, {kc} candidates, tiles of {rows} x {cols}, "
+                    f"no re-rank; matmuls alone {stages['matmul_s']:.3f} s, with the block maxima "
+                    f"{stages['maxima_s']:.3f} s"}
 
 
 def _knn_raw(ctx, train, test, dtype) -> dict:

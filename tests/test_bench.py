@@ -132,6 +132,38 @@ def test_compiled_step_equals_eager():
         assert torch.allclose(value, eager[key], atol=1e-4), key
 
 
+def test_the_knn_row_times_a_baseline_alternated_and_the_pass_alone(tmp_path, capsys):
+    """knn.baseline: another knn_search.py timed against ours in alternating repeats, with
+    a check that both give the same votes; torch-fp16 runs the pass in float16 on this
+    device; torch-pass times the candidate pass alone. A baseline that is not a file: one
+    line, exit 2, nothing written."""
+    import shutil
+    from pathlib import Path
+
+    import resmlp.eval.knn_search as ours
+    base = tmp_path / "knn_before.py"
+    shutil.copy(ours.__file__, base)
+    out = tmp_path / "bench"
+    assert main(["bench", "bench.profile=tiny", f"out={out}", "bench.rows=[knn]", f"bench.tiny.knn.baseline={base}",
+                 "bench.tiny.knn.backends=[torch,torch-fp16,torch-pass]"]) == 0
+    knn = {r["backend"]: r for r in json.loads((out / "bench.json").read_text())["rows"] if r["row"] == "knn"}
+    for backend in ("torch", "torch-fp16"):
+        r = knn[backend]
+        assert r["status"] == "ok" and r["same_as_baseline"] is True and r["baseline"] == str(base), r
+        assert len(r["repeats"]) == len(r["baseline_repeats"]) == 2 and r["vs_baseline"] > 0
+    assert knn["torch-fp16"]["pass_dtype"] == "float16" and "pass_dtype" not in knn["torch"]
+    assert knn["torch-pass"]["status"] == "ok" and "30 candidates, tiles of" in knn["torch-pass"]["note"]
+    assert 0 < knn["torch-pass"]["matmul_s"] and 0 < knn["torch-pass"]["maxima_s"]
+    assert ours._TorchSearch.DTYPES["cpu"] == torch.float32            # put back
+    capsys.readouterr()
+    missing = tmp_path / "missing"
+    assert main(["bench", "bench.profile=tiny", f"out={missing}", "bench.rows=[knn]",
+                 f"bench.tiny.knn.baseline={tmp_path / 'nope.py'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "knn.baseline" in err[0] and "no such file" in err[0]
+    assert not Path(missing).exists()
+
+
 def test_a_failing_line_is_reported_and_the_rest_go_on():
     ctx = Context(torch.device("cpu"), "tiny", tiny_profile(), ["resmlp_s12"], False)
     ctx.attempt("knn", {"backend": "broken"}, lambda: 1 / 0)
