@@ -127,10 +127,11 @@ def fused_block_forward(block: nn.Module, x: torch.Tensor, grid) -> torch.Tensor
 
 def describe(block: nn.Module) -> str:
     """What the fused forward folds in this block (its repr)."""
-    norm = 'LayerNorm affine' if isinstance(block.norm2, nn.LayerNorm) else 'Aff'
-    parts = [f'{norm}2 -> fc1', 'ls2 -> fc2']
+    ln = isinstance(block.norm2, nn.LayerNorm)
+    aff1, aff2 = ("norm1's affine", "norm2's affine") if ln else ('Aff1', 'Aff2')
+    parts = [f'{aff2} -> fc1', 'ls2 -> fc2']
     if hasattr(block.cross_patch, 'weights_for'):
-        parts.append(f'{norm}1 + ls1 through the cross-patch linear')
+        parts.append(f'{aff1} + ls1 through the cross-patch linear')
     elif block.cross_patch is not None:
-        parts.append('norm1 kept; ls1 + residual in one addcmul')
-    return 'fused: ' + ', '.join(parts)
+        parts.append('norm1 kept, ls1 + residual in one addcmul')
+    return 'fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')

@@ -167,6 +167,7 @@ def test_the_same_state_dict_folding_and_export():
     for fmt in ('timm', 'official'):
         a, b = export_state_dict(sd_plain, fmt), export_state_dict(sd_fused, fmt)
         assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert 'Aff1 + ls1 through the cross-patch linear' in repr(fused) and 'fused:' not in repr(plain)
     folded = fold_affine(fused)
     assert all(type(b) is ResMLPBlock for b in folded.blocks) and not folded.fused
     assert all(type(b) is FusedResMLPBlock for b in fused.blocks)  # the original is left as it was
