@@ -4,7 +4,8 @@ Paper: "ResMLP: Feedforward networks for image classification with data-efficien
 training", https://arxiv.org/abs/2105.03404. Written from the paper's Algorithm 1 and
 text; state_dicts of timm's `resmlp_*_224` and of the official facebookresearch/deit
 `resmlp_models.py` load through `convert_state_dict` / `load_pretrained` (convert.py);
-the inference copy with every Aff folded away is `fold_affine` (fold.py).
+the inference copy with every Aff folded away is `fold_affine` (fold.py), and the training
+block that folds them on every step is FusedResMLPBlock (`fused=True`, fused.py).
 
 Layout of one block on tokens X of shape (B, N, D), N = h * w patches:
 
