@@ -223,7 +223,7 @@ def summarize(results: list, device: torch.device) -> list[dict]:
         ours = [r for r in _ok(results, "dino", model=model) if r["impl"] != "reference" and r.get("vs_ref")]
         if ours:
             best = max(ours, key=lambda r: r["vs_ref"])
-            each = ", ".join(f"{r['strategy']} {r['impl'].split()[-1]} b{r.get('batch')} {r['vs_ref']:.2f}x"
+            each = ", ".join(f"{r['strategy']} {r['impl'].removeprefix('ours ')} b{r.get('batch')} {r['vs_ref']:.2f}x"
                              for r in ours)
             line(f"dino step, ours vs reference loop, {model} (best: {best['strategy']}, {best['impl']}, "
                  f"batch {best.get('batch')})", best["vs_ref"], GOALS["dino_vs_reference"], "higher", ".2f", f"; {each}")
@@ -457,7 +457,7 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
 
 # Profile keys that only choose which lines run, not how one is measured (each line's key
 # names its model, strategy, impl, batch, backend): a resumed run may choose others.
-SELECTION = ("models", "strategies", "compile", "graphs", "reference", "largest_batch", "knn.backends",
+SELECTION = ("models", "strategies", "compile", "fused", "graphs", "reference", "largest_batch", "knn.backends",
              "inference.models")
 
 

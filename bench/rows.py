@@ -3,8 +3,9 @@
 becomes that line's error while the other lines still run.
 
   peak       measured dense matmul rate: the ceiling for '% of peak'
-  dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep) and the
-             reference-style loop (bench/reference.py), per model and crop strategy
+  dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep), with plain
+             and fused blocks (model.fused), and the reference-style loop
+             (bench/reference.py), per model and crop strategy
   e2e        the same step fed from JPEG files by DataLoader workers: the CPU multi-crop
              transform vs whole decoded images + GpuMultiCrop (on a GPU also with the
              JPEGs decoded there), against the synthetic-input step
@@ -71,6 +72,17 @@ def dino_config(p, model: str, strategy: str, extra=()):
     if p.depth:
         o.append(f"model.depth={p.depth}")
     return load_config("dino", model, [*o, *extra])
+
+
+def ours(kind: str, fused: bool) -> str:
+    """A line's impl: "ours eager", "ours compile+graphs", ... and "ours fused eager", ... for
+    model.fused=true (the plain lines keep the names they had before the fused block)."""
+    return f"ours {'fused ' if fused else ''}{kind}"
+
+
+def fused_values(p) -> list[bool]:
+    """The profile's `fused` list (a profile written before it: the plain block only)."""
+    return [bool(f) for f in (p.get("fused") or [False])]
 
 
 def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
@@ -177,27 +189,32 @@ def dino_family(ctx) -> None:
 
 
 def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
+    """Ours for each `fused` value (eager and compiled, then graphed), then the reference."""
     p = ctx.p
     flops: dict = {}
+    fused_list = fused_values(p)
     together = bool(p.get("interleave")) and bool(p.reference) and False in list(p.compile)
-    pair: dict = {}
-    for comp in p.compile:
-        ident = {"model": model, "strategy": strategy, "impl": "ours compile" if comp else "ours eager",
-                 "batch": batch}
-        if together and not comp:
-            ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, batch, flops, pair))
-        else:
-            ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops))
-    for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
-        if str(kind) not in ("eager", "compile"):
-            raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
-        ident = {"model": model, "strategy": strategy, "impl": f"ours {kind}+graphs", "batch": batch}
-        ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile", flops,
-                                                      graphs=True))
+    timed: dict = {}  # impl -> fields of the lines timed together (interleave)
+    for fused in fused_list:
+        for comp in p.compile:
+            ident = {"model": model, "strategy": strategy, "impl": ours("compile" if comp else "eager", fused),
+                     "batch": batch}
+            if together and not comp:
+                ctx.attempt("dino", ident, lambda: timed.pop(ident["impl"], None) or
+                            _dino_together(ctx, model, strategy, batch, fused_list, flops, timed)[ident["impl"]])
+            else:
+                ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops,
+                                                              fused=fused))
+        for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
+            if str(kind) not in ("eager", "compile"):
+                raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
+            ident = {"model": model, "strategy": strategy, "impl": ours(f"{kind}+graphs", fused), "batch": batch}
+            ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile",
+                                                          flops, graphs=True, fused=fused))
     if p.reference:
         ident = {"model": model, "strategy": strategy, "impl": "reference", "batch": batch}
-        # timed with the eager line when that one ran in this process (not taken from an earlier run)
-        ctx.attempt("dino", ident, lambda: pair["ref"] if "ref" in pair else
+        # timed with the eager lines when those ran in this process (not taken from an earlier run)
+        ctx.attempt("dino", ident, lambda: timed.pop("reference", None) or
                     _dino_reference(ctx, model, strategy, batch, flops))
 
 
@@ -206,7 +223,8 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
     step runs (two steps: the second one allocates what the steady state holds); stops at
     the first out-of-memory error."""
     p, dev = ctx.p, ctx.device
-    cfg, plan, _ = _step_inputs(ctx, model, strategy, int(p.batch_size))
+    # the plain step when it is measured: it holds more activations, so every line fits
+    cfg, plan, _ = _step_inputs(ctx, model, strategy, int(p.batch_size), fused=False not in fused_values(p))
     step = build_our_step(cfg, dev, p.precision, False)
     fits, tried, stop = int(p.batch_size), [], "max_batch reached"
     batch = 2 * fits
@@ -231,48 +249,59 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
     return {"batch": fits, "tried": tried, "stop": stop, "crops": plan.label()}
 
 
-def _step_inputs(ctx, model, strategy, batch: int):
+def _step_inputs(ctx, model, strategy, batch: int, fused: bool = False):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
     from resmlp.data.crop_plan import crop_plan
     reset_memory(ctx.device)
-    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}"])
+    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}", f"model.fused={str(fused).lower()}"])
     plan = crop_plan(cfg)
     return cfg, plan, synthetic_crops(plan, batch, ctx.device)
 
 
-def _dino_pair(ctx, model, strategy, batch, flops, pair) -> dict:
-    """Ours (eager) and the reference built side by side and timed with alternating
-    repeats (profile key `interleave`: on a shared CPU the ratio then survives the
-    other processes' load). Both need memory at once: off in the gpu profile."""
+def _count_flops(cfg, dev, precision: str, crops, step=None) -> int:
+    """Model FLOPs of one eager step of the plain blocks (`step`, or one built here): the
+    fused ones do the same math, but FlopCounterMode has no formula for the CPU's GELU
+    epilogue (_addmm_activation)."""
+    if step is None:
+        step = build_our_step(OmegaConf.merge(cfg, {"model": {"fused": False}}), dev, precision, False)
+    return count_flops(lambda: call_step(step, crops))
+
+
+def _dino_together(ctx, model, strategy, batch, fused_list, flops, timed) -> dict:
+    """Ours eager (for each `fused` value) and the reference built side by side and timed
+    with alternating repeats (profile key `interleave`: on a shared CPU the ratios then
+    survive the other processes' load). All need memory at once: off in the gpu profile.
+    Returns {impl: fields} and leaves them in `timed` for the lines that follow."""
     p, dev = ctx.p, ctx.device
     cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
-    ours = build_our_step(cfg, dev, p.precision, False)
+    steps = {ours("eager", f): build_our_step(OmegaConf.merge(cfg, {"model": {"fused": f}}), dev, p.precision, False)
+             for f in fused_list}
     ref, backbone = build_reference_step(cfg, dev, strategy)
+    steps["reference"] = ref
     last = {}
 
     def runner(name, step):
         def one():
             last[name] = call_step(step, crops)
         return one
-    times = measure_interleaved({"ours": runner("ours", ours), "ref": runner("ref", ref)}, dev,
+    times = measure_interleaved({name: runner(name, step) for name, step in steps.items()}, dev,
                                 int(p.warmup), int(p.steps), int(p.repeats))
     if not all(torch.isfinite(v).all() for v in last.values()):
         raise RuntimeError("non-finite loss: the timed steps skipped their updates")
-    flops["flops"] = count_flops(lambda: call_step(ours, crops))
-    n_crops = plan.n_crops
+    flops["flops"] = _count_flops(cfg, dev, p.precision, crops, steps.get(ours("eager", False)))
     common = {"crops": plan.label(), "interleaved": True}
-    pair["ref"] = {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "backbone": backbone,
-                   "loss": float(last["ref"]), **common,
-                   **step_fields(times["ref"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
-    return {"precision": p.precision, "loss": float(last["ours"]), **common,
-            **step_fields(times["ours"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
+    for name in steps:
+        timed[name] = {"precision": p.precision, "loss": float(last[name]), **common,
+                       **step_fields(times[name], batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)}
+    timed["reference"].update(precision="fp16+GradScaler" if dev.type == "cuda" else "fp32", backbone=backbone)
+    return timed
 
 
-def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False) -> dict:
+def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False, fused: bool = False) -> dict:
     p, dev = ctx.p, ctx.device
     if graphs and dev.type != "cuda":
         raise Skip("CUDA graphs need a GPU")
-    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch, fused=fused)
     step = build_our_step(cfg, dev, p.precision, comp, graphs=graphs)
     extra = {}
     try:
@@ -282,13 +311,15 @@ def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False) -
         mem = peak_memory_gb(dev)
         if graphs:
             extra["captures"] = step.graphed.captures
-        if "flops" not in flops:  # counted once, on the eager modules, never through a graph
+        if "flops" not in flops and not fused:  # counted once, on the eager modules, never through a graph
             step.graphed = None
             step.forward_student = step.forward_teacher = None
-            flops["flops"] = count_flops(lambda: call_step(step, crops))
+            flops["flops"] = _count_flops(cfg, dev, p.precision, crops, step)
     finally:
         step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
+    if "flops" not in flops:  # the first line is a fused one: a plain step counts, this one freed
+        flops["flops"] = _count_flops(cfg, dev, p.precision, crops)
     fields = step_fields(t, batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
     return {"precision": p.precision, "crops": plan.label(), "loss": loss, **fields, **extra}
@@ -355,7 +386,8 @@ def e2e_family(ctx) -> None:
     feeding the trainer's step, for each place the views can be made."""
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
     workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
-    base = {"model": e.model, "strategy": e.strategy, "impl": "ours compile" if e.compile else "ours eager",
+    fused = bool(dino_config(p, e.model, e.strategy).model.fused)  # the trainer's default
+    base = {"model": e.model, "strategy": e.strategy, "impl": ours("compile" if e.compile else "eager", fused),
             "batch": int(p.batch_size), "workers": workers}
     root = tempfile.mkdtemp(prefix="resmlp_bench_jpeg_")
     state: dict = {}
@@ -465,7 +497,7 @@ def _fold_check(cfg, dims, check) -> dict:
     with torch.no_grad():
         for t in ref.parameters():
             t.add_(0.05 * torch.randn(t.shape, generator=g))
-    ours = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
+    ours = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0, "fused": False}), num_classes=1000)
     load_pretrained(ours, ref.state_dict())
     folded = fold_affine(ours).eval()
     x = torch.randn(4, 3, dims["img"], dims["img"], generator=g)
@@ -482,7 +514,8 @@ def _inference_net(ctx, cfg, dims, kind: str, fold: bool):
     if kind == "timm":
         net = timm_resmlp(dims, 0.0, num_classes=1000)
     else:
-        net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
+        # the plain blocks: "ours eager" is the line it was before model.fused
+        net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0, "fused": False}), num_classes=1000)
         if fold:
             net = fold_affine(net)
     return net.to(ctx.device, DTYPES[str(ctx.p.inference.dtype)]).eval()

@@ -37,7 +37,8 @@ def test_tiny_profile_measures_every_row(tmp_path):
 
     dino = by["dino"]
     assert {(r["strategy"], r["impl"]) for r in dino} == {
-        (s, i) for s in ("resize", "interpolate", "subgrid", "none") for i in ("ours eager", "reference")}
+        (s, i) for s in ("resize", "interpolate", "subgrid", "none")
+        for i in ("ours eager", "ours fused eager", "reference")}
     for r in dino:
         assert r["images_per_s"] > 0 and r["crops_per_s"] > r["images_per_s"] and r["gflop_per_image"] > 0
         if r["impl"] != "reference":
@@ -106,6 +107,32 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
             assert torch.allclose(got[key], want[key], atol=1e-5), key
         for a, b in zip(mine.head.parameters(), theirs.head.parameters()):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_fused_knob_crosses_every_line_of_ours(monkeypatch):
+    """bench.<profile>.fused: each of ours' lines (eager, compiled, graphed) for each value,
+    at the profile's batch and the largest one, labelled "ours fused ..." where true and as
+    before where false; the reference and the batch search once; the search with the plain
+    step (the larger one), and each line's step built with its own model.fused."""
+    p = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.compile=[false,true]",
+                                           "bench.tiny.graphs=[eager,compile]", "bench.tiny.largest_batch=true",
+                                           "bench.tiny.strategies=[subgrid]", "bench.tiny.interleave=false"]).bench.tiny
+    built = []
+    monkeypatch.setattr(R, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False:
+                        built.append((bool(comp), graphs, fused, batch)) or {"images_per_s": 1.0})
+    monkeypatch.setattr(R, "_dino_reference", lambda *a: {"images_per_s": 1.0})
+    monkeypatch.setattr(R, "build_our_step", lambda cfg, *a, **k: built.append(("search", cfg.model.fused)))
+    monkeypatch.setattr(R, "synthetic_crops", lambda plan, batch, dev: [])
+    monkeypatch.setattr(R, "call_step", lambda step, crops: None)
+    ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
+    R.dino_family(ctx)
+    lines = [(r["impl"], r["batch"]) for r in ctx.results if r["impl"] != "largest batch search"]
+    kinds = ("eager", "compile", "eager+graphs", "compile+graphs")
+    want = [(f"ours {f}{k}", b) for b in (4, 8) for f in ("", "fused ") for k in kinds]
+    assert sorted(lines) == sorted(want + [("reference", 4), ("reference", 8)])
+    assert built[0] == ("search", False) and ctx.results[0]["batch"] == 8  # the profile's max_batch
+    assert sorted(built[1:]) == sorted((c, g, f, b) for b in (4, 8) for f in (False, True)
+                                       for c, g in ((False, False), (True, False), (False, True), (True, True)))
 
 
 def test_compiled_step_equals_eager():
