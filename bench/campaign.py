@@ -179,9 +179,6 @@ class Campaign:
                     f"(campaign.call_s={c.call_s:g}; {window}; {setup})")
         self.say(f"call {record['call']} in {self.dir} (profile {self.cfg.campaign.profile}, {device}): "
                  + (f"{self.restored}. {left}" if self.restored else left))
-        for s in self.stages:
-            if s.left_out and not s.ended():
-                self.say(f"{s.name}: without {' '.join(s.left_out)} (campaign.awaiting: this code has no such key yet)")
         if earlier:
             self.say(f"warning: earlier calls ran on {', '.join(earlier)}: this call's figures come from another "
                      "card (name the device tool's kind in every call)")
@@ -412,7 +409,7 @@ class Campaign:
                 "call_again": code == PREEMPTED_EXIT, "left": left,
                 "left_for_another_window": [] if code == PREEMPTED_EXIT else left,
                 "stages": [{"name": s.name, **s.state(), "budget_s": s.budget_s, "command": ["python", *s.argv],
-                            "left_out": s.left_out, **s.figures} for s in self.stages],
+                            **s.figures} for s in self.stages],
                 "calls": self.calls, "settings": to_dict(self.cfg.campaign), "state": state}
 
     def device(self) -> str:

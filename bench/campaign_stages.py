@@ -42,7 +42,6 @@ class Stage:
     line_s: float | None = None    # bench stages: the longest line (none starts with less left)
     budget_s: float | None = None  # compare: stage time over all calls
     config: tuple | None = None    # training stages: (command, model, overrides) of their run, for the prediction
-    left_out: list = field(default_factory=list)  # overrides of campaign.awaiting keys this code lacks
     status: str = "pending"   # pending | running | cut (started, continues) | done | failed
     note: str = ""
     rc: int | None = None
@@ -85,7 +84,6 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
                             f"campaign.{c.profile}.min_start_s.{name} + stop_grace_s = "
                             f"{p['min_start_s'][name] + grace:g} s")
     d = campaign_dir
-    awaiting = Awaiting([str(k) for k in as_list(c.awaiting)])
     images = ["data=imagefolder", f"data.root={d / 'images'}"] if p.get("images") else []
     preset = [*map(str, p["preset"]), *images, *map(str, as_list(c.preset_overrides))]
     compare = [*preset, *map(str, as_list(c.compare_overrides))]
@@ -103,12 +101,10 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
     }
     stages = []
     for n in names:
-        left_out: list = []
         if n == "tests":
             argv = ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *map(str, p["tests"])]
         else:
             command, model, keys = overrides[n]
-            keys, left_out = awaiting.split(command, model, keys)
             if n in PROFILE:
                 argv = ["-m", "resmlp.bench.profile", *keys, f"profile.out={d / n}"]
             elif n in BENCH:
@@ -118,36 +114,8 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
         stages.append(Stage(n, argv, d / ("bench" if n in BENCH else n), float(p["min_start_s"][n]),
                             line_s=float(p["bench_line_s"][n]) if n in BENCH else None,
                             budget_s=float(c.compare_budget_s) if n == "compare" else None,
-                            config=overrides[n] if n in TRAINING else None, left_out=left_out))
+                            config=overrides[n] if n in TRAINING else None))
     return p, stages
-
-
-class Awaiting:
-    """campaign.awaiting: keys of code under way (another branch adds them). An override of
-    one of them is left out of a stage's command while this code's config has no such key
-    (the stage says so in the report), and is in as soon as the key exists."""
-
-    def __init__(self, keys: list[str]):
-        self.keys = set(keys)
-        self.configs: dict = {}
-
-    def split(self, command: str, model: str | None, overrides: list[str]) -> tuple[list, list]:
-        kept, left_out = [], []
-        for o in overrides:
-            key = o.split("=", 1)[0]
-            (kept if key not in self.keys or self.known(command, model, key) else left_out).append(o)
-        return kept, left_out
-
-    def known(self, command: str, model: str | None, key: str) -> bool:
-        from omegaconf import OmegaConf
-
-        from resmlp.core.config import load_config
-        if command not in self.configs:
-            self.configs[command] = load_config(command, model, ["demo=false"])
-        return OmegaConf.select(self.configs[command], key, default=_ABSENT) is not _ABSENT
-
-
-_ABSENT = object()
 
 
 def requirement(stage: Stage, p: dict, window: bool, predicted: dict | None) -> tuple[float, str]:
