@@ -1,22 +1,31 @@
 """`bash run.sh campaign [key=value ...]`: the whole GPU measurement as one command that is
 simply called again until it says it is done.
 
-The machines a GPU can be borrowed on give commands of about 10 minutes, forget their files
-half a minute after a command ends, kill a command that outruns its limit with everything in
-its process group, and hand back a few small files. So one call runs the stages
-(bench/campaign_stages.py) in campaign.stages' order for at most `campaign.call_s` seconds
-(counted from run.sh's start, its set-up included), each as a subprocess in the campaign's
-own process group (a kill of the call ends it too); at the call's end the stage in flight
-gets SIGTERM, which the trainers answer with a checkpoint and exit 75 (core/preempt.py) and
-the bench by finishing its line. The report folder (campaign_state.py) is rewritten at the
-call's start, after every stage, bench line, k-NN and test, and at least every
-campaign.report_every_s, so a call killed at any point hands back what it measured. The
-next call continues from the campaign dir (`out`) on a warm machine, or from the report
-carried in (`campaign.from_report`) on a fresh one. A call prints what it did, what is
-left and whether to call again.
+The machines a GPU can be borrowed on give a window of device time (15 minutes for all
+calls, each machine's start and idle waits included), commands of at most 10 minutes,
+forget their files half a minute after a command ends, kill a command that outruns its
+limit with everything in its process group, and hand back a few small files. So one call
+runs the stages (bench/campaign_stages.py) in campaign.stages' order until the earlier of
+`campaign.call_s` seconds (counted from run.sh's start, its set-up included) and the
+window's end (`campaign.window_left_s`, what the device tool said was left when the call
+was asked for, less a fresh machine's start and a margin), each as a subprocess in the
+campaign's own process group (a kill of the call ends it too). A stage starts only when
+what it needs fits before the call's stop signal (campaign_stages.requirement: a bench
+stage its longest line, a training stage its predicted time, bench/campaign_predict.py);
+when only a later call of the window could fit it, this call ends there; when none could,
+it is not started in this window and the call goes on with the next stage. At the call's
+end the stage in flight gets SIGTERM, which the trainers answer with a checkpoint and exit
+75 (core/preempt.py) and the bench by finishing its line. The report folder
+(campaign_state.py) is rewritten at the call's start, after every stage, bench line, k-NN
+and test, and at least every campaign.report_every_s, so a call killed at any point hands
+back what it measured. The next call continues from the campaign dir (`out`) on a warm
+machine, or from the report carried in (`campaign.from_report`) on a fresh one. A call
+prints what it did, what is left and whether to call again.
 
-Exit codes: 0 every stage ended, 75 call again, 1 every stage ended and one failed (could
-not run), 2 bad input. The orchestrator imports no torch (except to check for CUDA).
+Exit codes: 75 call again (a stage left can still run in this window), 0 nothing more to
+call for (every stage ended, or what is left needs another window), 1 the same and a stage
+failed (could not run), 2 bad input. The orchestrator imports no torch (except to check
+for CUDA and for Fashion-MNIST's size).
 """
 from __future__ import annotations
 
@@ -33,17 +42,18 @@ import time
 from pathlib import Path
 
 from resmlp.bench import campaign_state as S
-from resmlp.bench.campaign_stages import classify, launch, note_test_line, plan
+from resmlp.bench.campaign_predict import measured, predict, schedule, train_images
+from resmlp.bench.campaign_stages import (PROFILE, TRAINING, classify, decide, launch, note_test_line, plan,
+                                          requirement)
 from resmlp.bench.report import ReportError, write_report
 from resmlp.bench.report import problem as report_problem
 from resmlp.core import preempt
-from resmlp.core.config import CONFIG_DIR, as_list, to_dict
+from resmlp.core.config import CONFIG_DIR, as_list, load_config, to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 from resmlp.core.lock import RunLock
 
 ROOT = CONFIG_DIR.parent
 STARTED_ENV = "RESMLP_CAMPAIGN_STARTED"   # run.sh's start (epoch seconds): the call's clock starts there
-CUT_ENV = "RESMLP_CAMPAIGN_CUT"           # tests: a regex; the first output line it matches ends the call there
 # stage output after which the report is rewritten: a bench line, a k-NN, a test's result
 MEASURED = re.compile(r"^\[bench\] |knn top1=")
 REPORT_FILES = S.REPORT_FILES
@@ -75,9 +85,9 @@ class Campaign:
         now = time.time()
         started = _float(os.environ.get(STARTED_ENV))
         self.started = started if started is not None and now - float(c.call_s) < started <= now else now
-        self.deadline = self.started + float(c.call_s)
-        cut = os.environ.get(CUT_ENV)
-        self.cut = re.compile(cut) if cut else None
+        self.fresh = True  # the campaign dir held no state: this machine was started for this call (load())
+        self.window_end = self.deadline = None
+        self.set_deadline()  # again once load() knows the machine
         self.calls: list = []
         self.log = None
         self.restored = None      # what the call says about a report it continued from
@@ -87,6 +97,24 @@ class Campaign:
 
     # ---- state ----------------------------------------------------------------------------
     def load(self) -> None:
+        self.fresh = S.read_state(self.dir) is None
+        self._load()
+        self.set_deadline()
+
+    def set_deadline(self) -> None:
+        """The call ends at campaign.call_s from run.sh's start or at the window's end, which
+        comes first. The window's seconds were counted when the call was asked for: a fresh
+        machine's start (start_s) came out of them before run.sh started, and the transfers
+        around the call come out of them after (window_margin_s)."""
+        c = self.cfg.campaign
+        self.deadline = self.started + float(c.call_s)
+        self.window_end = None
+        if c.window_left_s is not None:
+            start = float(self.p["start_s"]) if self.fresh else 0.0
+            self.window_end = self.started + float(c.window_left_s) - start - float(self.p["window_margin_s"])
+            self.deadline = min(self.deadline, self.window_end)
+
+    def _load(self) -> None:
         saved = S.read_state(self.dir)
         if saved is None and self.carried is not None:
             self.restored = S.restore(self.from_report, self.carried, self.dir, len(self.carried["state"]["calls"]) + 1)
@@ -114,8 +142,7 @@ class Campaign:
         self.emit(f"campaign: {text}")
 
     def emit(self, line: str, stage=None) -> None:
-        """One line to stdout and campaign.log; what it measured asks for a report; a
-        match of the injected cut ends the call here."""
+        """One line to stdout and campaign.log; what it measured asks for a report."""
         print(line, flush=True)
         if self.log is not None:
             self.log.write(line + "\n")
@@ -125,9 +152,6 @@ class Campaign:
                 noted = stage.name == "tests" and note_test_line(line, stage.outcomes)
                 if noted or MEASURED.search(line):
                     self.want_report = True
-        if self.cut is not None and self.cut.search(line):
-            self.cut = None
-            self.deadline = min(self.deadline, time.time() + float(self.p["stop_grace_s"]))
 
     # ---- the call ---------------------------------------------------------------------------
     def call(self) -> int:
@@ -135,12 +159,24 @@ class Campaign:
         self.log = open(self.dir / S.LOG, "a", buffering=1)
         device = self.device()
         earlier = sorted({c.get("device") for c in self.calls} - {None, device})
+        c = self.cfg.campaign
         record = {"call": len(self.calls) + 1, "started": _iso(self.started),
-                  "setup_s": round(time.time() - self.started, 1), "call_s": float(self.cfg.campaign.call_s),
-                  "device": device, "ran": []}
+                  "setup_s": round(time.time() - self.started, 1), "call_s": float(c.call_s),
+                  "window_left_s": c.window_left_s, "fresh_machine": self.fresh,
+                  "ends_after_s": round(self.deadline - self.started, 1),
+                  "ends_by": "window" if self.window_end is not None and self.window_end < self.started + c.call_s
+                  else "call_s", "device": device, "ran": [], "not_started": []}
         self.calls.append(record)
-        left = f"{self.deadline - time.time():.0f} s left of {self.cfg.campaign.call_s:g} (set-up took " \
-               f"{record['setup_s']:.0f} s)"
+        setup = f"set-up took {record['setup_s']:.0f} s"
+        if self.window_end is None:
+            left = f"{self.deadline - time.time():.0f} s left of campaign.call_s={c.call_s:g} (no window; {setup})"
+        else:
+            window = (f"campaign.window_left_s={c.window_left_s:g} less "
+                      + (f"{self.p['start_s']:g} s for this fresh machine's start and " if self.fresh else "")
+                      + f"{self.p['window_margin_s']:g} s of margin: {self.window_end - self.started:.0f} s")
+            left = (f"{self.deadline - time.time():.0f} s left: the call ends {record['ends_after_s']:.0f} s after "
+                    f"run.sh's start, by {'the window' if record['ends_by'] == 'window' else 'campaign.call_s'} "
+                    f"(campaign.call_s={c.call_s:g}; {window}; {setup})")
         self.say(f"call {record['call']} in {self.dir} (profile {self.cfg.campaign.profile}, {device}): "
                  + (f"{self.restored}. {left}" if self.restored else left))
         if earlier:
@@ -174,7 +210,8 @@ class Campaign:
             self.say(f"wrote {self.p['images']} synthetic JPEGs to {root} (the tiny profile's data)")
 
     def run_stage(self, stage, record: dict) -> bool:
-        """Run (or continue) one stage in what is left of the call; False: the call is over."""
+        """Run (or continue) one stage in what is left of the call, if what it needs fits;
+        False: the call is over."""
         grace = float(self.p["stop_grace_s"])
         end = self.deadline
         if stage.budget_s is not None:
@@ -185,17 +222,24 @@ class Campaign:
                 return True
             end = min(end, time.time() + budget_left)
         usable = end - time.time() - grace  # before its stop signal
-        if usable < stage.min_start_s:
-            self.say(f"{stage.name}: {usable:.0f} s left before the stop signal, under campaign."
-                     f"{self.cfg.campaign.profile}.min_start_s.{stage.name}={stage.min_start_s:g}: not started "
-                     "in this call")
-            return False
-        limit = None
-        if stage.line_s is not None:
-            limit = usable - stage.line_s
-            if limit < 1:
-                self.say(f"{stage.name}: too little time left for its longest line; not started in this call")
+        need, why = self.requirement(stage, say=True)
+        later = self.next_call_s()
+        verdict = decide(need, usable, later)
+        if verdict != "start":
+            record["not_started"].append({"stage": stage.name, "need_s": round(need, 1), "left_s": round(usable, 1),
+                                          "next_call_s": round(later, 1), "verdict": verdict})
+            if verdict == "next_call":
+                stage.note = f"not started in call {record['call']}: needs {need:.0f} s ({why}), {usable:.0f} s left"
+                self.say(f"{stage.name}: needs {need:.0f} s ({why}), {usable:.0f} s left before this call's stop "
+                         f"signal: not started in this call; a next call of this window has up to {later:.0f} s, so "
+                         "this one ends here")
                 return False
+            stage.note = (f"not started in call {record['call']}: needs {need:.0f} s ({why}), more than this window "
+                          f"has left ({max(usable, later, 0):.0f} s)")
+            self.say(f"{stage.name}: needs {need:.0f} s ({why}); {usable:.0f} s left in this call and at most "
+                     f"{max(later, 0):.0f} s in a next call of this window: not started in this window")
+            return True
+        limit = usable - stage.line_s if stage.line_s is not None else None  # >= 1: the requirement holds it
         argv = launch(stage, self.by_name, self.p, as_list(self.cfg.campaign.preset_overrides), limit)
         stage.dir.mkdir(parents=True, exist_ok=True)
         stage.status, stage.runs = "running", stage.runs + 1
@@ -214,6 +258,10 @@ class Campaign:
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
         classify(stage, rc, stopped_by)
+        if stage.name in PROFILE and stage.status == "done":
+            stage.profile = S.profile_figures(stage.dir / "profile.json")
+        if stage.prediction is not None and stage.status == "done":
+            stage.prediction["took_s"] = round(took, 1)  # its whole run, against what was predicted
         note = f": {stage.note}" if stage.note else ""
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
         self.report(PREEMPTED_EXIT)
@@ -221,8 +269,8 @@ class Campaign:
 
     def supervise(self, stage, argv: list, end: float) -> tuple[int, str | None]:
         """Run argv until it exits, in this process group (a kill of the call ends it too);
-        SIGTERM stop_grace_s before `end` (or the call's deadline, which an injected cut or
-        a signal to this process may bring forward), SIGKILL to it and its children at it.
+        SIGTERM stop_grace_s before `end` (or the call's deadline, which a signal to this
+        process may bring forward), SIGKILL to it and its children at it.
         The report is rewritten when the stage measured something and every report_every_s.
         Returns (exit code, what stopped it: None, 'call', 'budget')."""
         grace = float(self.p["stop_grace_s"])
@@ -269,8 +317,54 @@ class Campaign:
         for line in proc.stdout:
             self.emit(line.rstrip("\n"), stage)
 
+    # ---- time --------------------------------------------------------------------------------
+    def requirement(self, stage, say: bool = False) -> tuple[float, str]:
+        """campaign_stages.requirement with a training stage's prediction made now."""
+        predicted = self.predict(stage, say) if stage.name in TRAINING else None
+        return requirement(stage, self.p, self.window_end is not None, predicted)
+
+    def predict(self, stage, say: bool) -> dict | None:
+        """The stage's time from its config, and from its own log where an attempt of this
+        campaign measured a term (bench/campaign_predict.py); kept in its state."""
+        command, model, overrides = stage.config
+        cfg = load_config(command, model, overrides)
+        images = train_images(cfg, self.p.get("images"))
+        if images is None:
+            if say:
+                self.say(f"{stage.name}: no prediction of its time (the size of data={cfg.data.name} is not known "
+                         "here): min_start_s stands for it")
+            stage.prediction = None
+            return None
+        sched = schedule(cfg, images)
+        resumes = stage.status == "cut" and not stage.restart  # from its checkpoint, on this machine
+        from_epoch = float(stage.figures.get("epochs_trained", 0.0)) if resumes else 0.0
+        seen = measured(S.training_log(self.dir, stage.name), sched["images_per_epoch"], sched["eval_every"])
+        stage.prediction = predict(sched, self.p["predict"], seen, f"campaign.{self.cfg.campaign.profile}.predict",
+                                   from_epoch)
+        if say:
+            sources = sorted({f"{v}" for v in stage.prediction["from"].values()})
+            self.say(f"{stage.name}: predicted {stage.prediction['need_s']:.0f} s = {stage.prediction['text']} "
+                     f"(from {'; '.join(sources)})")
+        return stage.prediction
+
+    def next_call_s(self) -> float:
+        """The most a next call could give a stage: a whole call, within what the window
+        will have left once this call ends now and a fresh machine has started."""
+        grace = float(self.p["stop_grace_s"])
+        setup = self.calls[-1]["setup_s"] if self.calls else 0.0
+        whole = float(self.cfg.campaign.call_s) - setup - grace
+        if self.window_end is None:
+            return whole
+        after = self.window_end - time.time() - float(self.p["start_s"]) - float(self.p["window_margin_s"])
+        return min(whole, after - setup - grace)
+
+    def left_for_later(self) -> list:
+        """The stages not ended that a next call of this window could run."""
+        later = self.next_call_s()
+        return [s for s in self.stages if not s.ended() and self.requirement(s)[0] <= later]
+
     def exit_code(self) -> int:
-        if not all(s.ended() for s in self.stages):
+        if self.left_for_later():
             return PREEMPTED_EXIT
         return 1 if any(s.status == "failed" for s in self.stages) else 0
 
@@ -292,22 +386,28 @@ class Campaign:
 
     def finish(self, code: int) -> None:
         self.report(code)
-        self.say("stage        status   what")
+        self.say("stage          status   what")
         for s in self.stages:
-            self.emit(f"  {s.name:<12} {s.status:<8} {S.describe(s)}")
+            self.emit(f"  {s.name:<14} {s.status:<8} {S.describe(s)}")
         left = [s.name for s in self.stages if not s.ended()]
         if code == PREEMPTED_EXIT:
             self.say(f"left: {', '.join(left)}. CALL AGAIN within 30 s (before the machine forgets this dir) "
-                     f"with the same command")
+                     "with the same command" + ("" if self.window_end is None else
+                                                " and the device time left as campaign.window_left_s"))
+        elif left:
+            self.say(f"left for another window: {', '.join(left)} (none fits what this window has left)"
+                     + (" (a stage failed: see above)" if code else "") + "; carry this report into the next "
+                     "window's first call (campaign.from_report)")
         else:
             self.say("every stage ended" + (" (one failed: see above)" if code else "") + "; nothing to call again for")
         self.say(f"report: {self.report_dir} (exit {code})")
         self.report(code)  # with the lines above in its campaign.log
 
     def summary(self, code: int, state: dict) -> dict:
+        left = [s.name for s in self.stages if not s.ended()]
         return {"campaign": str(self.dir), "profile": str(self.cfg.campaign.profile), "exit": code,
-                "call_again": code == PREEMPTED_EXIT,
-                "left": [s.name for s in self.stages if not s.ended()],
+                "call_again": code == PREEMPTED_EXIT, "left": left,
+                "left_for_another_window": [] if code == PREEMPTED_EXIT else left,
                 "stages": [{"name": s.name, **s.state(), "budget_s": s.budget_s, "command": ["python", *s.argv],
                             **s.figures} for s in self.stages],
                 "calls": self.calls, "settings": to_dict(self.cfg.campaign), "state": state}

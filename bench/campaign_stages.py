@@ -2,12 +2,21 @@
 it needs to be worth starting, what its exit code means, and what pytest's output says
 test by test. No torch import.
 
-  tests        the CUDA-only tests (`pytest -m cuda`), each test's result kept as it comes:
-               a cut call's next one runs only the tests without a result
-  bench_first  the bench lines never measured on a GPU (the graphed step, the device k-NN)
-  preset       `dino resmlp_s12` to its last epoch, graphed when the graph tests passed
-  bench        the rest of the bench, in the same bench.json (no line measured twice)
-  compare      the preset with campaign.compare_overrides, for compare_budget_s of stage time
+  tests           the CUDA-only tests (`pytest -m cuda`), each test's result kept as it comes:
+                  a cut call's next one runs only the tests without a result
+  preset          `dino resmlp_s12` to its last epoch, graphed when the graph tests passed
+  bench_fused     the bench lines of the goals first: the fused step (compiled, with and
+                  without graphs, at batch 64 and the largest batch) beside the reference
+                  loop, and the device k-NN
+  profile_preset  bench/profile.py on the preset's (fused) step: time per phase, top kernels
+  profile_224     the same on the 224 px step
+  bench           the rest of the bench, in the same bench.json (no line measured twice)
+  compare         the preset with campaign.compare_overrides, for compare_budget_s of stage time
+
+Under a window (campaign.window_left_s) a stage starts only when it can end in what is left:
+a bench stage keeps its lines one by one, so one that fits its longest line may start; any
+other needs its whole time (a training stage its prediction, bench/campaign_predict.py; the
+others their min_start_s, which is their whole run) before the call's stop signal.
 """
 from __future__ import annotations
 
@@ -18,9 +27,10 @@ from pathlib import Path
 from resmlp.core.config import as_list, to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 
-STAGES = ("tests", "bench_first", "preset", "bench", "compare")
+STAGES = ("tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench", "compare")
 TRAINING = ("preset", "compare")
-BENCH = ("bench_first", "bench")
+BENCH = ("bench_fused", "bench")
+PROFILE = ("profile_preset", "profile_224")
 
 
 @dataclass
@@ -28,9 +38,10 @@ class Stage:
     name: str
     argv: list                # after the python executable, as campaign.json keeps it (launch() adds the rest)
     dir: Path                 # its files (both bench stages share <out>/bench)
-    min_start_s: float        # no start with less left before the stop signal
+    min_start_s: float        # no start with less left before the stop signal (tests, profiles: their whole run)
     line_s: float | None = None    # bench stages: the longest line (none starts with less left)
     budget_s: float | None = None  # compare: stage time over all calls
+    config: tuple | None = None    # training stages: (command, model, overrides) of their run, for the prediction
     status: str = "pending"   # pending | running | cut (started, continues) | done | failed
     note: str = ""
     rc: int | None = None
@@ -40,9 +51,12 @@ class Stage:
     outcomes: dict = field(default_factory=dict)  # tests: node id -> {"outcome": ..., "message": ...}
     graphs: dict | None = None  # preset: {"on": bool | None, "why": str}, decided at its first start
     restart: bool = False     # training stages: the next start begins again from epoch 0 (a fresh machine)
+    prediction: dict | None = None  # training stages: the last prediction of their time, and its terms
+    profile: dict | None = None     # profile stages: their profile.json, short (campaign_state.profile_figures)
     figures: dict = field(default_factory=dict)
 
-    KEPT = ("status", "note", "rc", "wall_s", "runs", "attempt", "restart", "outcomes", "graphs")
+    KEPT = ("status", "note", "rc", "wall_s", "runs", "attempt", "restart", "outcomes", "graphs", "prediction",
+            "profile")
 
     def ended(self) -> bool:
         return self.status in ("done", "failed")
@@ -72,19 +86,63 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
     d = campaign_dir
     images = ["data=imagefolder", f"data.root={d / 'images'}"] if p.get("images") else []
     preset = [*map(str, p["preset"]), *images, *map(str, as_list(c.preset_overrides))]
-    bench = ["-m", "resmlp.core.cli", "bench", f"out={d / 'bench'}", "bench.resume=true", *map(str, p["bench"])]
-    argvs = {
-        "tests": ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *map(str, p["tests"])],
-        "bench_first": [*bench, *map(str, p["bench_first"])],
-        "preset": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={d / 'preset'}", *preset],
-        "bench": [*bench, *map(str, p["bench_rest"])],
-        "compare": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={d / 'compare'}", *preset,
-                    *map(str, as_list(c.compare_overrides))],
+    compare = [*preset, *map(str, as_list(c.compare_overrides))]
+    bench = ["-m", "resmlp.core.cli", "bench", f"out={d / 'bench'}", "bench.resume=true"]
+    shared = [*map(str, p["bench"])]
+    overrides = {  # (command, model, its key=value overrides)
+        "preset": ("dino", "resmlp_s12", preset),
+        "compare": ("dino", "resmlp_s12", compare),
+        "bench_fused": ("bench", None, [*shared, *map(str, p["bench_fused"])]),
+        "bench": ("bench", None, [*shared, *map(str, p["bench_rest"])]),
+        # the preset's own step (its model, crops and batch) and the 224 px one, each profiled
+        "profile_preset": ("dino", "resmlp_s12", [*map(str, p["preset"]), *map(str, as_list(c.preset_overrides)),
+                                                  *map(str, p["profile_preset"])]),
+        "profile_224": ("dino", "resmlp_s12", [*map(str, p["profile_224"])]),
     }
-    return p, [Stage(n, argvs[n], d / ("bench" if n in BENCH else n), float(p["min_start_s"][n]),
-                     line_s=float(p["bench_line_s"][n]) if n in BENCH else None,
-                     budget_s=float(c.compare_budget_s) if n == "compare" else None)
-               for n in names]
+    stages = []
+    for n in names:
+        if n == "tests":
+            argv = ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *map(str, p["tests"])]
+        else:
+            command, model, keys = overrides[n]
+            if n in PROFILE:
+                argv = ["-m", "resmlp.bench.profile", *keys, f"profile.out={d / n}"]
+            elif n in BENCH:
+                argv = [*bench, *keys]
+            else:
+                argv = ["-m", "resmlp.core.cli", command, model, f"out={d / n}", *keys]
+        stages.append(Stage(n, argv, d / ("bench" if n in BENCH else n), float(p["min_start_s"][n]),
+                            line_s=float(p["bench_line_s"][n]) if n in BENCH else None,
+                            budget_s=float(c.compare_budget_s) if n == "compare" else None,
+                            config=overrides[n] if n in TRAINING else None))
+    return p, stages
+
+
+def requirement(stage: Stage, p: dict, window: bool, predicted: dict | None) -> tuple[float, str]:
+    """(seconds a stage needs before its stop signal to be started, why). A bench stage keeps
+    its lines one by one: its longest line and start-up. Under a window every other stage
+    needs its whole run: a training stage its prediction (at least min_start_s; compare at
+    most what is left of its budget before its stop signal), the tests and the profiles
+    their min_start_s. Without a window a training stage resumes from its checkpoint on the
+    same machine: min_start_s."""
+    if stage.name in BENCH:
+        return max(stage.min_start_s, stage.line_s + 1), (f"its longest line, bench_line_s={stage.line_s:g}, and "
+                                                          "start-up; its lines are kept one by one")
+    if stage.name not in TRAINING or not window or predicted is None:
+        return stage.min_start_s, f"min_start_s={stage.min_start_s:g}"
+    need = max(stage.min_start_s, predicted["need_s"])
+    if stage.budget_s is not None:  # it ends when its budget is spent: its stop signal comes grace s before
+        need = min(need, max(stage.min_start_s, stage.budget_s - stage.wall_s - float(p["stop_grace_s"])))
+    return need, f"predicted {predicted['need_s']:.0f} s"
+
+
+def decide(need_s: float, left_s: float, next_call_s: float) -> str:
+    """start: it fits before this call's stop signal; next_call: a later call of this window
+    can give it that (this call ends, so that the order holds); window: no call of this
+    window can (it is not started, and the call goes on with the next stage)."""
+    if need_s <= left_s:
+        return "start"
+    return "next_call" if need_s <= next_call_s else "window"
 
 
 def launch(stage: Stage, stages: dict, p: dict, preset_overrides: list, time_limit_s: float | None) -> list:

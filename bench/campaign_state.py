@@ -3,9 +3,11 @@
 On a warm machine the campaign dir holds it all: campaign.json (each stage's status, the
 tests' results, the preset's graphs decision, the calls) and each stage's files. The report
 folder, rewritten as the call goes, holds all of it too, flat and small: summary.json
-(with campaign.json's content under "state"), campaign.log, bench.json and the training
-stages' results.json and log.jsonl. A fresh machine continues from a carried report
-(campaign.from_report): `restore` puts its files back into an empty campaign dir; a
+(with campaign.json's content under "state", the profiles' phases and top kernels among
+it), campaign.log, bench.json and the training stages'
+results.json and log.jsonl: 7 files, so that a write a kill interrupts still leaves its
+temp file within the 8 a lent machine hands back. A fresh machine continues from a carried
+report (campaign.from_report): `restore` puts its files back into an empty campaign dir; a
 training stage that was under way starts again from epoch 0 (its checkpoint stayed
 behind), and its earlier attempts stay in its log, after which a line {"restart": n}
 starts the next. No torch import.
@@ -17,12 +19,13 @@ import shlex
 import shutil
 from pathlib import Path
 
-from resmlp.bench.campaign_stages import BENCH, TRAINING, Stage
+from resmlp.bench.campaign_stages import BENCH, PROFILE, TRAINING, Stage
 from resmlp.core.errors import UserError
 
 STATE = "campaign.json"
 LOG = "campaign.log"
 RESTORED = "restored"   # in the campaign dir: the training stages' files a report brought back
+PROFILE_TOP = 15        # kernels per profiled step kept in summary.json
 REPORT_FILES = ("summary.json", "campaign.log", "bench.json", "preset_results.json", "preset_log.jsonl",
                 "compare_results.json", "compare_log.jsonl")
 
@@ -100,6 +103,10 @@ def restore(folder: Path, summary: dict, campaign_dir: Path, call: int) -> str:
         if s is not None and s["status"] == "pending":
             words.append(f"{name} has not started yet")
         if s is None or s["status"] not in ("running", "cut"):
+            continue
+        if s.get("restart"):  # an earlier fresh machine lost its checkpoint, and it has not started since
+            words.append(f"{name} starts again from epoch 0 (attempt {s['attempt']}, not started since call "
+                         f"{call - 1} or earlier)")
             continue
         lost = figures.get(name, {}).get("epochs_trained", 0)
         s["attempt"] = s.get("attempt", 1) + 1
@@ -192,6 +199,22 @@ def bench_figures(path: Path) -> dict:
                       for s in b.get("summary", [])]}
 
 
+def profile_figures(path: Path) -> dict | None:
+    """bench/profile.py's profile.json, short, for the stage's state (so in summary.json: the
+    report has no room for an eighth file): its config, the time of each phase, and per
+    profiled step the wall and device-busy time per call, the launches and the top kernels."""
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    out = {"config": r.get("config"), "phases": r.get("phases", {})}
+    for key in sorted(k for k in r if k.startswith("kernels_")):
+        k = r[key]
+        out[key] = {**{f: round(k[f], 3) for f in ("wall_ms", "busy_ms", "kernels_per_call")},
+                    "top": [{"name": x["name"][:160], "ms_per_call": round(x["ms_per_call"], 4), "count": x["count"]}
+                            for x in k["top"][:PROFILE_TOP]]}
+    return out
+
+
 def test_figures(outcomes: dict) -> dict:
     out = {k: sum(v["outcome"] == k for v in outcomes.values()) for k in ("passed", "failed", "error", "skipped")}
     out["tests"] = len(outcomes)
@@ -215,10 +238,21 @@ def describe(s: Stage) -> str:
             parts.append(f"final k-NN {f['results']['knn_top1']:.2f}; training {t.get('train_s', 0):.0f} s over "
                          f"{len(t.get('starts', []))} start(s), uninterrupted about "
                          f"{t.get('uninterrupted_s', 0):.0f} s")
+        if s.prediction:  # beside what its last run took, to judge the constants by
+            took = s.prediction.get("took_s")
+            parts.append(f"predicted {s.prediction['need_s']:.0f} s" + (f", took {took:.0f} s" if took else ""))
         if s.graphs:
             parts.append(s.graphs["why"])
     elif s.name in BENCH and f:
         parts.append(f"bench.json (both bench stages'): lines {f['lines']}, {f.get('left') or 0} left")
+    elif s.name in PROFILE and s.profile:
+        prof = s.profile
+        parts += [f"{name} {v['ms']:.1f} ms ({v['images_per_s']:.0f} img/s)" for name, v in prof["phases"].items()]
+        for key in (k for k in prof if k.startswith("kernels_")):
+            k, top = prof[key], prof[key]["top"][:1]
+            parts.append(f"{key[8:]}: device busy {k['busy_ms']:.1f} of {k['wall_ms']:.1f} ms per call, "
+                         f"{k['kernels_per_call']:.0f} kernels" + (f", top {top[0]['name'][:60]} "
+                                                                   f"{top[0]['ms_per_call']:.2f} ms" if top else ""))
     elif s.name == "tests" and f.get("tests"):
         parts.append(f"{f['passed']} passed, {f['failed'] + f['error']} failed, {f['skipped']} skipped"
                      + (f" ({'; '.join(f['skip_reasons'])[:120]})" if f["skipped"] else ""))

@@ -189,7 +189,9 @@ def build_reference_networks(cfg, plan, device: torch.device, backbone: str = "t
         if backbone == "timm":
             bb = timm_resmlp(model_dims(cfg.model, cfg.data.img_size), drop_path)
         else:
-            bb = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": drop_path}), num_classes=0)
+            # the plain blocks, as the reference code would run them
+            bb = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": drop_path, "fused": False}),
+                             num_classes=0)
             if plan.grid_adapt != "none":
                 bb.grid_adapt = plan.grid_adapt
         return RefMultiCrop(bb, build_head(bb.num_features, cfg.dino))

@@ -3,8 +3,9 @@
 becomes that line's error while the other lines still run.
 
   peak       measured dense matmul rate: the ceiling for '% of peak'
-  dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep) and the
-             reference-style loop (bench/reference.py), per model and crop strategy
+  dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep), with plain
+             and fused blocks (model.fused), and the reference-style loop
+             (bench/reference.py), per model and crop strategy
   e2e        the same step fed from JPEG files by DataLoader workers: the CPU multi-crop
              transform vs whole decoded images + GpuMultiCrop (on a GPU also with the
              JPEGs decoded there), against the synthetic-input step
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -70,6 +72,17 @@ def dino_config(p, model: str, strategy: str, extra=()):
     if p.depth:
         o.append(f"model.depth={p.depth}")
     return load_config("dino", model, [*o, *extra])
+
+
+def ours(kind: str, fused: bool) -> str:
+    """A line's impl: "ours eager", "ours compile+graphs", ... and "ours fused eager", ... for
+    model.fused=true (the plain lines keep the names they had before the fused block)."""
+    return f"ours {'fused ' if fused else ''}{kind}"
+
+
+def fused_values(p) -> list[bool]:
+    """The profile's `fused` list (a profile written before it: the plain block only)."""
+    return [bool(f) for f in (p.get("fused") or [False])]
 
 
 def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
@@ -176,27 +189,32 @@ def dino_family(ctx) -> None:
 
 
 def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
+    """Ours for each `fused` value (eager and compiled, then graphed), then the reference."""
     p = ctx.p
     flops: dict = {}
+    fused_list = fused_values(p)
     together = bool(p.get("interleave")) and bool(p.reference) and False in list(p.compile)
-    pair: dict = {}
-    for comp in p.compile:
-        ident = {"model": model, "strategy": strategy, "impl": "ours compile" if comp else "ours eager",
-                 "batch": batch}
-        if together and not comp:
-            ctx.attempt("dino", ident, lambda: _dino_pair(ctx, model, strategy, batch, flops, pair))
-        else:
-            ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops))
-    for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
-        if str(kind) not in ("eager", "compile"):
-            raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
-        ident = {"model": model, "strategy": strategy, "impl": f"ours {kind}+graphs", "batch": batch}
-        ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile", flops,
-                                                      graphs=True))
+    timed: dict = {}  # impl -> fields of the lines timed together (interleave)
+    for fused in fused_list:
+        for comp in p.compile:
+            ident = {"model": model, "strategy": strategy, "impl": ours("compile" if comp else "eager", fused),
+                     "batch": batch}
+            if together and not comp:
+                ctx.attempt("dino", ident, lambda: timed.pop(ident["impl"], None) or
+                            _dino_together(ctx, model, strategy, batch, fused_list, flops, timed)[ident["impl"]])
+            else:
+                ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops,
+                                                              fused=fused))
+        for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
+            if str(kind) not in ("eager", "compile"):
+                raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
+            ident = {"model": model, "strategy": strategy, "impl": ours(f"{kind}+graphs", fused), "batch": batch}
+            ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile",
+                                                          flops, graphs=True, fused=fused))
     if p.reference:
         ident = {"model": model, "strategy": strategy, "impl": "reference", "batch": batch}
-        # timed with the eager line when that one ran in this process (not taken from an earlier run)
-        ctx.attempt("dino", ident, lambda: pair["ref"] if "ref" in pair else
+        # timed with the eager lines when those ran in this process (not taken from an earlier run)
+        ctx.attempt("dino", ident, lambda: timed.pop("reference", None) or
                     _dino_reference(ctx, model, strategy, batch, flops))
 
 
@@ -205,7 +223,8 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
     step runs (two steps: the second one allocates what the steady state holds); stops at
     the first out-of-memory error."""
     p, dev = ctx.p, ctx.device
-    cfg, plan, _ = _step_inputs(ctx, model, strategy, int(p.batch_size))
+    # the plain step when it is measured: it holds more activations, so every line fits
+    cfg, plan, _ = _step_inputs(ctx, model, strategy, int(p.batch_size), fused=False not in fused_values(p))
     step = build_our_step(cfg, dev, p.precision, False)
     fits, tried, stop = int(p.batch_size), [], "max_batch reached"
     batch = 2 * fits
@@ -230,48 +249,59 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
     return {"batch": fits, "tried": tried, "stop": stop, "crops": plan.label()}
 
 
-def _step_inputs(ctx, model, strategy, batch: int):
+def _step_inputs(ctx, model, strategy, batch: int, fused: bool = False):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
     from resmlp.data.crop_plan import crop_plan
     reset_memory(ctx.device)
-    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}"])
+    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}", f"model.fused={str(fused).lower()}"])
     plan = crop_plan(cfg)
     return cfg, plan, synthetic_crops(plan, batch, ctx.device)
 
 
-def _dino_pair(ctx, model, strategy, batch, flops, pair) -> dict:
-    """Ours (eager) and the reference built side by side and timed with alternating
-    repeats (profile key `interleave`: on a shared CPU the ratio then survives the
-    other processes' load). Both need memory at once: off in the gpu profile."""
+def _count_flops(cfg, dev, precision: str, crops, step=None) -> int:
+    """Model FLOPs of one eager step of the plain blocks (`step`, or one built here): the
+    fused ones do the same math, but FlopCounterMode has no formula for the CPU's GELU
+    epilogue (_addmm_activation)."""
+    if step is None:
+        step = build_our_step(OmegaConf.merge(cfg, {"model": {"fused": False}}), dev, precision, False)
+    return count_flops(lambda: call_step(step, crops))
+
+
+def _dino_together(ctx, model, strategy, batch, fused_list, flops, timed) -> dict:
+    """Ours eager (for each `fused` value) and the reference built side by side and timed
+    with alternating repeats (profile key `interleave`: on a shared CPU the ratios then
+    survive the other processes' load). All need memory at once: off in the gpu profile.
+    Returns {impl: fields} and leaves them in `timed` for the lines that follow."""
     p, dev = ctx.p, ctx.device
     cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
-    ours = build_our_step(cfg, dev, p.precision, False)
+    steps = {ours("eager", f): build_our_step(OmegaConf.merge(cfg, {"model": {"fused": f}}), dev, p.precision, False)
+             for f in fused_list}
     ref, backbone = build_reference_step(cfg, dev, strategy)
+    steps["reference"] = ref
     last = {}
 
     def runner(name, step):
         def one():
             last[name] = call_step(step, crops)
         return one
-    times = measure_interleaved({"ours": runner("ours", ours), "ref": runner("ref", ref)}, dev,
+    times = measure_interleaved({name: runner(name, step) for name, step in steps.items()}, dev,
                                 int(p.warmup), int(p.steps), int(p.repeats))
     if not all(torch.isfinite(v).all() for v in last.values()):
         raise RuntimeError("non-finite loss: the timed steps skipped their updates")
-    flops["flops"] = count_flops(lambda: call_step(ours, crops))
-    n_crops = plan.n_crops
+    flops["flops"] = _count_flops(cfg, dev, p.precision, crops, steps.get(ours("eager", False)))
     common = {"crops": plan.label(), "interleaved": True}
-    pair["ref"] = {"precision": "fp16+GradScaler" if dev.type == "cuda" else "fp32", "backbone": backbone,
-                   "loss": float(last["ref"]), **common,
-                   **step_fields(times["ref"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
-    return {"precision": p.precision, "loss": float(last["ours"]), **common,
-            **step_fields(times["ours"], batch, n_crops, flops["flops"], ctx.peak_tflops, dev)}
+    for name in steps:
+        timed[name] = {"precision": p.precision, "loss": float(last[name]), **common,
+                       **step_fields(times[name], batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)}
+    timed["reference"].update(precision="fp16+GradScaler" if dev.type == "cuda" else "fp32", backbone=backbone)
+    return timed
 
 
-def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False) -> dict:
+def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False, fused: bool = False) -> dict:
     p, dev = ctx.p, ctx.device
     if graphs and dev.type != "cuda":
         raise Skip("CUDA graphs need a GPU")
-    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch, fused=fused)
     step = build_our_step(cfg, dev, p.precision, comp, graphs=graphs)
     extra = {}
     try:
@@ -281,12 +311,14 @@ def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False) -
         mem = peak_memory_gb(dev)
         if graphs:
             extra["captures"] = step.graphed.captures
-        if "flops" not in flops:  # counted once, on the eager modules, never through a graph
+        if "flops" not in flops and not fused:  # counted once, on the eager modules, never through a graph
             step.graphed = None
-            flops["flops"] = count_flops(lambda: call_step(step, crops))
+            flops["flops"] = _count_flops(cfg, dev, p.precision, crops, step)
     finally:
         step = None  # free the step's memory before the next line builds its own
         _compile_cleanup(comp)
+    if "flops" not in flops:  # the first line is a fused one: a plain step counts, this one freed
+        flops["flops"] = _count_flops(cfg, dev, p.precision, crops)
     fields = step_fields(t, batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)
     fields["mem_gb"] = mem
     return {"precision": p.precision, "crops": plan.label(), "loss": loss, **fields, **extra}
@@ -353,7 +385,8 @@ def e2e_family(ctx) -> None:
     feeding the trainer's step, for each place the views can be made."""
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
     workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
-    base = {"model": e.model, "strategy": e.strategy, "impl": "ours compile" if e.compile else "ours eager",
+    fused = bool(dino_config(p, e.model, e.strategy).model.fused)  # the trainer's default
+    base = {"model": e.model, "strategy": e.strategy, "impl": ours("compile" if e.compile else "eager", fused),
             "batch": int(p.batch_size), "workers": workers}
     root = tempfile.mkdtemp(prefix="resmlp_bench_jpeg_")
     state: dict = {}
@@ -463,7 +496,7 @@ def _fold_check(cfg, dims, check) -> dict:
     with torch.no_grad():
         for t in ref.parameters():
             t.add_(0.05 * torch.randn(t.shape, generator=g))
-    ours = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
+    ours = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0, "fused": False}), num_classes=1000)
     load_pretrained(ours, ref.state_dict())
     folded = fold_affine(ours).eval()
     x = torch.randn(4, 3, dims["img"], dims["img"], generator=g)
@@ -480,7 +513,8 @@ def _inference_net(ctx, cfg, dims, kind: str, fold: bool):
     if kind == "timm":
         net = timm_resmlp(dims, 0.0, num_classes=1000)
     else:
-        net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0}), num_classes=1000)
+        # the plain blocks: "ours eager" is the line it was before model.fused
+        net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0, "fused": False}), num_classes=1000)
         if fold:
             net = fold_affine(net)
     return net.to(ctx.device, DTYPES[str(ctx.p.inference.dtype)]).eval()
@@ -547,19 +581,55 @@ def knn_family(ctx) -> None:
         ctx.attempt("knn", ident, lambda: _knn_one(ctx, str(backend), data()))
 
 
+_PASS_DTYPES = {"torch-fp16": torch.float16, "torch-bf16": torch.bfloat16, "torch-fp32": torch.float32}
+
+
+@contextlib.contextmanager
+def _pass_dtype(modules, device: torch.device, dtype):
+    """knn_search's candidate pass in `dtype` on `device` for the block (None: its default),
+    in each module given (ours, and a baseline's)."""
+    old = [m._TorchSearch.DTYPES.get(device.type) for m in modules]
+    for m in modules:
+        if dtype is not None:
+            m._TorchSearch.DTYPES[device.type] = dtype
+    try:
+        yield
+    finally:
+        for m, o in zip(modules, old):
+            if o is None:
+                m._TorchSearch.DTYPES.pop(device.type, None)
+            else:
+                m._TorchSearch.DTYPES[device.type] = o
+
+
+def _knn_baseline(path):
+    """Another eval/knn_search.py (e.g. an earlier commit's: `git show <commit>:eval/knn_search.py
+    > /tmp/knn_before.py`), imported under its own name, or None."""
+    if not path:
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("knn_search_baseline", str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _knn_one(ctx, backend: str, data) -> dict:
     train, train_y, test, test_y, classes = data
     k, dev = ctx.p.knn, ctx.device
     on_gpu = dev.type == "cuda"
+    dtype = None
     if backend == "torch":
         where, name = dev, "torch"
-    elif backend == "torch-device":  # the features already on the GPU, as the trainer's extraction leaves them
-        if not on_gpu:
+    elif backend == "torch-device" or backend in _PASS_DTYPES:   # the features on the device, as the trainer's
+        if backend == "torch-device" and not on_gpu:                # extraction leaves them
             raise Skip("no GPU")
-        where, name = dev, "torch"
+        where, name, dtype = dev, "torch", _PASS_DTYPES.get(backend)
         train, test = train.to(dev), test.to(dev)
     elif backend in ("torch-raw", "torch-raw-bf16"):
         return _knn_raw(ctx, train, test, torch.bfloat16 if backend.endswith("bf16") else torch.float32)
+    elif backend == "torch-pass":
+        return _knn_pass(ctx, train, test)
     elif backend in ("faiss-gpu", "faiss-cpu"):
         try:
             import faiss  # noqa: F401
@@ -575,20 +645,87 @@ def _knn_one(ctx, backend: str, data) -> dict:
         else:
             where, name = torch.device("cpu"), "faiss"
     else:
-        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-raw, "
-                         f"torch-raw-bf16, faiss-gpu, faiss-cpu")
-    from resmlp.eval.knn import knn_classify
+        raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-fp16, "
+                         f"torch-bf16, torch-fp32, torch-pass, torch-raw, torch-raw-bf16, faiss-gpu, faiss-cpu")
+    import resmlp.eval.knn as knn
+    from resmlp.eval import knn_search as ours
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
-    knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where)  # warm up
-    sync(dev)
-    t0 = time.perf_counter()
-    scores = knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07, backend=name,
-                          device=where)
-    sync(dev)
-    sec = time.perf_counter() - t0
-    top1 = float((scores.argmax(1) == test_y[:n]).float().mean() * 100)
-    return {"device": where.type, "queries": n, "seconds": sec, "seconds_full": sec * test.shape[0] / n,
-            "queries_per_s": n / sec, "top1": top1, "mem_gb": peak_memory_gb(dev)}
+    base = _knn_baseline(k.baseline) if name == "torch" else None
+    searches = {"ours": ours.knn_search, **({"baseline": base.knn_search} if base else {})}
+    scores = {}
+
+    def classify(which):
+        def run():
+            knn.knn_search = searches[which]   # knn_classify's search, ours or the baseline's
+            try:
+                scores[which] = knn.knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07,
+                                                 backend=name, device=where)
+            finally:
+                knn.knn_search = ours.knn_search
+        return run
+    # Warmed up on a small bank (the libraries, the allocator, the device), then timed on
+    # the whole one: ours and the baseline's in alternating repeats (A B A B), the median.
+    times = {which: [] for which in searches}
+    with _pass_dtype([ours, *([base] if base else [])], where, dtype):
+        for which in searches:
+            knn.knn_search = searches[which]
+            try:
+                knn.knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name,
+                                 device=where)
+            finally:
+                knn.knn_search = ours.knn_search
+        for _ in range(max(int(k.repeats), 2 if base else 1)):
+            for which in searches:
+                sync(dev)
+                t0 = time.perf_counter()
+                classify(which)()
+                sync(dev)
+                times[which].append(time.perf_counter() - t0)
+    sec = statistics.median(times["ours"])
+    top1 = float((scores["ours"].argmax(1) == test_y[:n]).float().mean() * 100)
+    out = {"device": where.type, "queries": n, "seconds": sec, "seconds_full": sec * test.shape[0] / n,
+           "queries_per_s": n / sec, "top1": top1, "mem_gb": peak_memory_gb(dev), "repeats": times["ours"]}
+    if dtype is not None:
+        out["pass_dtype"] = str(dtype).replace("torch.", "")
+    if base:
+        b = statistics.median(times["baseline"])
+        out.update(baseline=str(k.baseline), baseline_seconds=b, baseline_repeats=times["baseline"],
+                   vs_baseline=b / sec, same_as_baseline=bool(torch.equal(scores["ours"], scores["baseline"])))
+    return out
+
+
+def _knn_pass(ctx, train, test) -> dict:
+    """knn_search's candidate pass alone (eval/knn_search.py _TorchSearch), features
+    already on the device: all queries at the first pass's candidate count, its tiles and
+    block maxima, no re-rank (what the exact path adds to it is the `torch-device` line
+    minus this one). Also its tiles' matmuls alone (`matmul_s`) and with the block maxima
+    (`maxima_s`): where the pass's time goes."""
+    from resmlp.eval.knn_search import _pass_precision, _TorchSearch, first_candidates
+    k, dev = ctx.p.knn, ctx.device
+    reset_memory(dev)
+    n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
+    train, test = train.to(dev), test[:n].to(dev)
+    search = _TorchSearch(train, dev)
+    kc = first_candidates(int(k.k), search.tolerance(train.shape[1]), train.shape[0])
+    rows, cols = search.tile(kc)
+    unit = search.queries(test)[0]
+
+    def tiles(maxima: bool):
+        with torch.no_grad(), _pass_precision():
+            for s in range(0, n, rows):
+                for c in range(0, search.unit.shape[0], cols):
+                    sims = unit[s:s + rows] @ search.unit[c:c + cols].T
+                    if maxima:
+                        sims.unfold(1, search.BLOCK, search.BLOCK).amax(2)
+    repeats = max(1, int(k.repeats))
+    stages = {name: measure(fn, dev, warmup=1, calls=1, repeats=repeats).seconds
+              for name, fn in (("matmul_s", lambda: tiles(False)), ("maxima_s", lambda: tiles(True)))}
+    t = measure(lambda: search(test, kc), dev, warmup=1, calls=1, repeats=repeats)
+    return {"device": dev.type, "queries": n, "seconds": t.seconds, "seconds_full": t.seconds * k.n_test / n,
+            "queries_per_s": n / t.seconds, "mem_gb": peak_memory_gb(dev), **stages,
+            "note": f"{str(search.dtype).replace('torch.', '')} pass, {kc} candidates, tiles of {rows} x {cols}, "
+                    f"no re-rank; matmuls alone {stages['matmul_s']:.3f} s, with the block maxima "
+                    f"{stages['maxima_s']:.3f} s"}
 
 
 def _knn_raw(ctx, train, test, dtype) -> dict:

@@ -44,8 +44,8 @@ KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
 # them that may change on resume (memory settings: the weights do not depend on them).
 RESUME_MUST_MATCH = ("command", "model", "data")
 # data.decode: where JPEGs are decoded (the same pixels up to a rounding step); data.preview:
-# only `run.sh data` reads it.
-RESUME_MAY_CHANGE = ("model.grad_checkpointing", "data.decode", "data.preview")
+# only `run.sh data` reads it; model.fused: the same parameters and function (models/fused.py).
+RESUME_MAY_CHANGE = ("model.grad_checkpointing", "model.fused", "data.decode", "data.preview")
 
 
 def seed_everything(seed: int) -> None:

@@ -132,9 +132,13 @@ def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
     (the step's autocast dtype: its first layer would cast them anyway), and the
     augmentation is compiled when the step is (`compile=true`). `device`: where the
     views go (data.decode=gpu needs a CUDA one)."""
+    from resmlp.data.datasets import dataset_info
     decode = cfg.data.get("decode", "cpu")
     if decode not in DECODE_PLACES:
         raise UserError(f"data.decode={decode!r} is not one of {', '.join(DECODE_PLACES)}")
+    if decode == "gpu" and not dataset_info(cfg.data).files:
+        raise UserError(f"data.decode=gpu decodes image files on the GPU, and data={cfg.data.name} holds its images "
+                        "decoded in memory: nothing would be decoded there; use data.decode=cpu")
     if cfg.dino.augment == "device":
         from resmlp.data.decode import SourceDecoder, collate_sources, source_side
         from resmlp.data.gpu_augment import GpuMultiCrop

@@ -45,6 +45,7 @@ class DatasetInfo:
     num_classes: int | None   # known without touching files (None: count class folders)
     classes: tuple | None     # known names (None: read them)
     labeled: bool = True      # False: images without labels (DINO only)
+    files: bool = False       # image files on disk (else decoded images in memory)
 
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
@@ -53,12 +54,12 @@ STL10_CLASSES = ("airplane", "bird", "car", "cat", "deer", "dog", "horse", "monk
 
 DATASETS: dict[str, DatasetInfo] = {
     "fashion_mnist": DatasetInfo(fashion_mnist.build, ("train", "test"), 10, tuple(fashion_mnist.CLASSES)),
-    "imagefolder": DatasetInfo(imagefolder.build, ("train", "test"), None, None),
-    "imagenet": DatasetInfo(imagefolder.build, ("train", "test"), None, None),
+    "imagefolder": DatasetInfo(imagefolder.build, ("train", "test"), None, None, files=True),
+    "imagenet": DatasetInfo(imagefolder.build, ("train", "test"), None, None, files=True),
     "cifar10": DatasetInfo(torchvision_sets.build, ("train", "test"), 10, CIFAR10_CLASSES),
     "cifar100": DatasetInfo(torchvision_sets.build, ("train", "test"), 100, None),
     "stl10": DatasetInfo(torchvision_sets.build, ("train", "test", "unlabeled"), 10, STL10_CLASSES),
-    "folder": DatasetInfo(folder.build, ("train",), 0, (), labeled=False),
+    "folder": DatasetInfo(folder.build, ("train",), 0, (), labeled=False, files=True),
 }
 LABELED = tuple(name for name, info in DATASETS.items() if info.labeled)
 

@@ -124,6 +124,12 @@ def _tv_decode_jpeg():
     return decode_jpeg, ImageReadMode.RGB
 
 
+def _as_stored(width: int, height: int, min_short: int | None, max_long: int | None) -> bool:
+    """decode_rgb(item, min_short, max_long) gives a JPEG of this size at its own size: no
+    reduction while decoding, no resize after."""
+    return _draft_request(width, height, min_short) is None and (max_long is None or max(width, height) <= max_long)
+
+
 def jpeg_header(data: bytes):
     """The opened (not decoded) PIL image of `data`; raises what PIL raises on garbage."""
     return Image.open(io.BytesIO(data))
@@ -212,12 +218,13 @@ class SourceDecoder:
 
     def _deferred(self, item: EncodedImage) -> Source | None:
         """The bytes alone, for JPEGs the GPU decoder takes as they are: baseline colour
-        JPEGs that need no shrinking. Anything else is decoded here."""
+        JPEGs that the CPU path would decode at their own size too (no reduction, no
+        resize: the two paths give images of one size). Anything else is decoded here."""
         try:
             with jpeg_header(item.data) as im:
                 width, height = im.size
                 plain = (im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive")
-                         and not im.info.get("progression") and max(width, height) <= self.side)
+                         and not im.info.get("progression") and _as_stored(width, height, self.side // 2, self.side))
         except Exception:  # noqa: BLE001 - decode_rgb names the file
             return None
         if not plain:

@@ -1,34 +1,38 @@
 """The exact k nearest training features (cosine) of each test feature, on any backend.
 
 Exactness and ties. Two backends find the neighbours: FAISS (IndexFlatIP, exact) and
-torch (matmul + topk; a bf16 pass on a GPU). Their inner products differ in the last
+torch (matmul + top-k; a float16 pass on a GPU). Their inner products differ in the last
 bits, and neither says how it breaks ties, so the raw search is only a candidate generator:
-    1. search k + margin candidates per query (any backend, any precision with a known
-       rounding bound);
+    1. search kc = k + margin candidates per query (any backend, any precision whose
+       rounding is bounded), with a ceiling: a float64 value that no left-out training
+       feature's exact cosine exceeds (the last candidate's search value plus the bound);
     2. recompute the candidates' similarities in float64 with one fixed piece of code
        (the cosine of the raw features, norms in float64, where the search runs: the CPU,
        or the GPU for torch there), and sort them by (-similarity, train index);
-    3. if the last candidate's search similarity is within the search's rounding bound
-       of the k-th float64 similarity, a neighbour may hide outside the candidate list:
-       search again for those queries with 4x the candidates; once that reaches the
-       whole train set, every training feature is re-ranked (no search).
+    3. a query whose k-th float64 similarity is above its ceiling has its k neighbours:
+       every left-out feature is strictly less similar. The others are searched again,
+       all together, with 4x the candidates; once that reaches the whole train set, every
+       training feature is re-ranked (no search).
 The k neighbours, their order and the similarities therefore depend only on the features,
-not on the backend, the device or the chunking: equal similarities (exact duplicate
-training features) go to the lower train index.
+not on the backend, the device, the dtype or the chunking: equal similarities (exact
+duplicate training features) go to the lower train index.
 
 Memory stays within `budget` bytes (a small multiple of it at the peak, besides the
 search's own copy of the train features) for any candidate count: queries go in chunks
 (no n_test x n_train matrix exists), a chunk's pass at c candidates takes as many queries
-as c candidates each fit in the budget (`pass_rows`), and the float64 re-rank runs in
-tiles of queries x candidates (`rerank_tile`), keeping a running top-k. A collapsed
-network, whose features are all alike, sends every query to the whole train set: its
-re-rank then streams over the train features in tiles instead of gathering n_train
-float64 vectors per query.
+as c candidates each fit in the budget (`pass_rows`), the pass itself goes over tiles of
+queries x train columns (`_TorchSearch.tile`), and the float64 re-rank runs in tiles of
+queries x candidates (`rerank_tile`), keeping a running top-k. A collapsed network, whose
+features are all alike, sends every query to the whole train set: its re-rank then
+streams over the train features in tiles instead of gathering n_train float64 vectors
+per query.
 
-On a GPU (torch) everything runs there: the raw features are copied once, normalised
-there, the candidate pass is a bf16 matmul (fp32 accumulation) whose rows are reduced to
-block maxima before the top-k (`_top_candidates`), and the float64 re-rank gathers the
-candidates there; only the k neighbours come back.
+On a GPU (torch) everything runs there: the raw features are copied once and made unit
+vectors there in float16, each row's rounding measured (`unit_rows`); the candidate pass
+is a float16 matmul (float32 sums) per tile of up to 4096 queries x tens of thousands of
+train columns, whose similarities are written once and read once, for block maxima
+(`_top_candidates`); the float64 re-rank gathers the candidates there; there is no host
+sync but one per round of step 3 (and the input checks); only the k neighbours come back.
 """
 from __future__ import annotations
 
@@ -92,12 +96,6 @@ def _features(x, name: str, device="cpu") -> torch.Tensor:
     return x
 
 
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    """Unit rows in float32, where x is: what the candidate passes search (the exact
-    re-rank normalises in float64 itself)."""
-    return torch.nn.functional.normalize(x.float(), dim=1, eps=1e-12).contiguous()
-
-
 def check_ks(ks, n_train: int, key: str = "knn.k") -> list[int]:
     """k values as a sorted list of ints; accepts 20, [10, 20], "10,20". `key`: the config
     key the messages name (the one the user sets)."""
@@ -153,8 +151,8 @@ def faiss_gpu_works(device_index: int = 0) -> bool:
         try:
             if faiss.get_num_gpus() > device_index:
                 g = torch.Generator().manual_seed(0)
-                xb = normalize(torch.randn(2000, 64, generator=g)).numpy()
-                xq = normalize(torch.randn(64, 64, generator=g)).numpy()
+                xb = torch.nn.functional.normalize(torch.randn(2000, 64, generator=g), dim=1).numpy()
+                xq = torch.nn.functional.normalize(torch.randn(64, 64, generator=g), dim=1).numpy()
                 res = faiss.StandardGpuResources()
                 conf = faiss.GpuIndexFlatConfig()
                 conf.device = device_index
@@ -203,115 +201,218 @@ def backend_name(backend: str = "auto", device=None) -> str:
     return f"{name}-{'gpu' if name == 'faiss' and dev.type == 'cuda' else dev.type}"
 
 
+# The candidate pass's rounding, per dtype of its operands (see _Search.bound).
+# Accumulation: a bound per summed product, relative to the sum of |products|. float32 on a
+# CPU or in CUDA cores: IEEE sums, whose recursive bound is d 2^-24 in any order; 2^-22
+# spares a factor 4. float16 / bfloat16 on tensor cores: the products are exact in float32
+# but the sums may truncate and align with few extra bits (not IEEE); 2^-21 spares a
+# factor 4 over truncation's 2^-23.
+_ACCUMULATION = {torch.float32: 2.0**-22, torch.float16: 2.0**-21, torch.bfloat16: 2.0**-21}
+
+
+def _cublas_setting(name: str):
+    """A cuBLAS flag of torch.backends.cuda.matmul as it can be set back: with its split-K
+    part where this torch has one."""
+    m = torch.backends.cuda.matmul
+    try:
+        return getattr(m, name), getattr(m, name + "_split_k")
+    except AttributeError:
+        return getattr(m, name)
+
+
 @contextlib.contextmanager
-def _matmul_precision(precision: str):
-    """torch's float32 matmul precision for the duration ('highest': true float32;
-    'high': TF32 on the GPU's tensor cores)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
+def _pass_precision():
+    """The candidate pass's matmuls as its rounding bound assumes them: float32 operands
+    multiplied in float32 (no TF32), float16 / bfloat16 products summed in float32 (cuBLAS
+    may otherwise reduce in the operands' precision, or accumulate float16 in float16)."""
+    m = torch.backends.cuda.matmul
+    names = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction",
+             "allow_fp16_accumulation")
+    old = torch.get_float32_matmul_precision(), [_cublas_setting(name) for name in names]
+    torch.set_float32_matmul_precision("highest")
+    for name in names:
+        setattr(m, name, False)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(old)
+        torch.set_float32_matmul_precision(old[0])
+        for name, value in zip(names, old[1]):
+            setattr(m, name, value)
 
 
-# Relative rounding of one operand (round to nearest: half of these; counted in full).
-_UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+def unit_rows(x: torch.Tensor, dtype: torch.dtype, inv: torch.Tensor,
+              budget: int = BUDGET) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, err): the rows of x (float32) as unit vectors in `dtype`, what a candidate
+    pass multiplies, and a float64 bound per row on |unit_i - x_i / |x_i||_2, the operand
+    rounding the pass's bound needs, measured rather than assumed. inv: x's float64
+    inverse norms (_inverse_norms).
 
-
-@contextlib.contextmanager
-def _fp32_accumulation():
-    """cuBLAS may sum bf16 products in reduced precision unless told not to; the rounding
-    bound below assumes float32 sums."""
-    old = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = old
+    v = x * float32(inv) is within (2u + u^2)|x_i / |x_i|| + 2^-150 of the exact unit
+    vector in each value (u = 2^-24: inv's rounding and the product's; 2^-150 where the
+    product is subnormal), so within 2^-22 in norm for any d below 2^200. unit = v rounded
+    to `dtype`; for float16 the values that would round to a subnormal are set to 0 first
+    (tensor cores may flush them), and a device's flush of float32-range subnormals adds at
+    most 2^-126 sqrt(d). unit - v is exact in float32 (two values within a factor 2 of each
+    other, or -v where set to 0), and its float32 norm is within a relative (d/2 + 1) 2^-24
+    of the true one. A row whose inverse norm float32 cannot hold (|x_i| below 1e-38) is
+    set to 0, err 1 + 2^-22: a correct, useless bound. In chunks of the budget, float32
+    only: no float64 copy."""
+    n, d = x.shape
+    unit = torch.empty(n, d, dtype=dtype, device=x.device)
+    err = torch.empty(n, dtype=torch.float64, device=x.device)
+    tiny, grow = torch.finfo(dtype).tiny, 1.0 + (d / 2 + 1) * 2.0**-24
+    rows = max(1, budget // (32 * max(1, d)))
+    for s in range(0, n, rows):
+        xs, iv, u = x[s:s + rows], inv[s:s + rows], unit[s:s + rows]
+        small = iv > 1e38
+        scale = iv.masked_fill(small, 0).float().unsqueeze(1)
+        if dtype == torch.float32:   # unit = v
+            torch.mul(xs, scale, out=u)
+            e = torch.zeros_like(iv)
+        else:
+            v = xs * scale
+            if tiny > torch.finfo(torch.float32).tiny:   # float16: what would round to a subnormal is 0
+                v = torch.nn.functional.hardshrink(v, tiny)
+            u.copy_(v)
+            e = torch.linalg.vector_norm(torch.sub(u, v), dim=1).double()   # u - v in float32, exact
+        err[s:s + rows] = (e * grow + 2.0**-22 + d**0.5 * 2.0**-126).masked_fill(small, 1.0 + 2.0**-22)
+    return unit, err
 
 
 def _top_candidates(sims: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sims.topk(k, dim=1), values exact, found through block maxima: every value above the
-    k-th largest lies in a block whose maximum is among the k largest maxima (fewer than k
-    values exceed it), so the top k of those k blocks are the top k of the row. Any k values
-    tied at the k-th may be returned, as with topk. One pass over the row for the maxima
-    instead of torch.topk's several over a row of a million values."""
+    """sims.topk(k, dim=1) (values sorted, and their columns), found through block maxima.
+    Every value outside the k blocks with the largest maxima is at most each of those
+    maxima, so at most the k-th largest value of those blocks: their values (and the
+    columns after the last full block) hold the row's top k. One read of the row for the
+    maxima instead of torch.topk's radix passes over a row of many thousand values; the k
+    blocks are gathered whole (a broadcast index, no index per value). Any k values tied
+    at the k-th may be returned, as with topk."""
     r, n = sims.shape
     full = n // block
     if full <= k or block <= 1:
         return sims.topk(k, dim=1)
-    maxima = sims.unfold(1, block, block).amax(2)   # a strided view of the full blocks: no copy
-    if n > full * block:
-        maxima = torch.cat([maxima, sims[:, full * block:].amax(1, keepdim=True)], dim=1)
-    cols = (maxima.topk(k, dim=1).indices.unsqueeze(2) * block
-            + torch.arange(block, device=sims.device)).reshape(r, k * block)
-    inside = cols < n
-    values = sims.gather(1, cols.clamp_max(n - 1)).masked_fill(~inside, float("-inf"))
-    top, where = values.topk(k, dim=1)
-    return top, cols.gather(1, where)
+    blocks = sims.unfold(1, block, block)                              # (r, full, block): a view
+    best = blocks.amax(2).topk(k, dim=1).indices                       # (r, k) blocks
+    pool = blocks.gather(1, best.unsqueeze(2).expand(r, k, block)).reshape(r, k * block)
+    if n > full * block:                                               # the ragged end: every value a candidate
+        pool = torch.cat([pool, sims[:, full * block:]], dim=1)
+    top, where = pool.topk(k, dim=1)
+    inside = where < k * block
+    cols = best.gather(1, (where // block).clamp_max(k - 1)) * block + where % block
+    return top, torch.where(inside, cols, where - k * block + full * block)
 
 
 class _Search:
     """What both backends share: the raw train features and their float64 inverse norms
-    where the re-rank runs (`device`), and the budget."""
+    where the re-rank runs (`device`), the budget, the unit vectors a pass multiplies (in
+    `dtype`, each row's rounding measured: unit_rows) and the pass's rounding bound. A
+    backend's call (queries, kc) returns (ceiling, candidates): each query's kc candidate
+    train indices and a float64 value that the exact similarity of no other training
+    feature exceeds; knn_search keeps a query's re-ranked candidates once its k-th exact
+    similarity is above the ceiling."""
 
     max_k: int | None = None   # the most candidates one search call can return (None: any)
 
-    def __init__(self, train: torch.Tensor, device: torch.device, budget: int):
-        self.device, self.budget = device, budget
+    def __init__(self, train: torch.Tensor, device: torch.device, budget: int, dtype: torch.dtype):
+        self.device, self.budget, self.dtype = device, budget, dtype
         self.train = train.to(device)                                    # raw, float32: the re-rank's
         self.inv_norm = _inverse_norms(self.train, budget)
+        self.unit, err = unit_rows(self.train, dtype, self.inv_norm, budget)   # the candidate pass's
+        self.train_err = err.max()                                       # the largest row's rounding
+
+    def queries(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """unit_rows of the queries, where the pass runs."""
+        q = q.to(self.device)
+        return unit_rows(q, self.dtype, _inverse_norms(q, self.budget), self.budget)
+
+    def tolerance(self, d: int) -> float:
+        """The bound's worst case for unit vectors of dim d (every operand rounded by the
+        dtype's unit roundoff, the k-th value near 1): what sets the first candidate
+        count's margin. The exactness check uses `bound`, per query."""
+        u = torch.finfo(self.dtype).eps / 2
+        return 2 * u + u * u + d * _ACCUMULATION[self.dtype] * (1 + u) ** 2 + torch.finfo(self.dtype).eps
+
+    def bound(self, last: torch.Tensor, err: torch.Tensor, d: int) -> torch.Tensor:
+        """The ceiling (float64) on the exact cosine of any training feature the pass left
+        out, from the last candidate's pass value `last` and the query's operand rounding
+        `err`. For unit q, t and their rounded q~ = q + a, t~ = t + b (|a| = err, |b| <=
+        train_err, measured): |q~.t~ - q.t| <= |a| + |b| + |a||b| (Cauchy-Schwarz); the
+        float32 sum adds at most d * acc * sum|q~_i t~_i| <= d * acc * (1 + |a|)(1 + |b|);
+        the result's rounding to the pass's dtype is faithful, so a left-out value v, whose
+        stored value is <= last, is < next_up(last) <= last + eps |last| + tiny. 1e-12
+        covers the float64 arithmetic of the exact similarities and of this bound."""
+        info, b = torch.finfo(self.dtype), self.train_err
+        last = last.to(b.device, torch.float64)
+        operands = err + b + err * b + d * _ACCUMULATION[self.dtype] * (1 + err) * (1 + b)
+        return last + info.eps * last.abs() + info.tiny + operands + 1e-12
 
 
 class _TorchSearch(_Search):
     """Candidates by matmul + top-k where the features live (CPU or GPU), and the exact
-    re-rank there too. On a GPU the candidate pass runs in bf16 with float32 sums: the
-    unit vectors' rounding bounds its error (`tolerance`), which is all the exactness
-    check of knn_search needs."""
+    re-rank there too. On a GPU the pass runs in float16 with float32 sums, at the tensor
+    cores' full rate (bfloat16's, with 8x finer rounding); its rounding bound (`bound`)
+    is all the exactness check of knn_search needs.
 
-    DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float32}   # the candidate pass, per device type
+    The pass (`__call__`) goes over tiles of queries x bank columns (`tile`): one matmul
+    each, written once as similarities in the pass's dtype, read once for block maxima
+    (_top_candidates), its kc best merged into the query's running kc best. No host sync:
+    the loop only launches work."""
+
+    DTYPES = {"cuda": torch.float16, "cpu": torch.float32}   # the candidate pass, per device type
     BLOCK = 64    # columns per block maximum (_top_candidates)
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
-        super().__init__(train, device, budget)
-        self.dtype = self.DTYPES.get(device.type, torch.float32)
-        self.unit = normalize(self.train).to(self.dtype)                 # the candidate pass's
+        super().__init__(train, device, budget, self.DTYPES.get(device.type, torch.float32))
+
+    def tile(self, kc: int) -> tuple[int, int]:
+        """(queries, bank columns) of one matmul at kc candidates per query, within the
+        budget: per query, the columns' similarities and their block maxima (with topk's
+        copies), the kc gathered blocks and the running candidates; 4096 queries where
+        that leaves a few block-columns per candidate, else fewer."""
+        n, size, block = self.unit.shape[0], self.unit.element_size(), self.BLOCK
+        fixed = 4 * kc * (size + 8) + kc * block * (2 * size + 8)
+        per_col = size + (2 * size + 8) / block
+        cols = int((self.budget / _MAX_CHUNK - fixed) / per_col) // block * block
+        cols = min(n, max(cols, 2 * kc * block))
+        if cols // block > kc:
+            per_row = fixed + cols * per_col
+        else:   # blocks cannot prune (a wide search of a small bank): whole rows, topk's sort copies
+            cols, per_row = n, 4 * kc * (size + 8) + n * (2 * size + 8)
+        return max(1, min(_MAX_CHUNK, int(self.budget // per_row))), cols
 
     def rows_for(self, kc: int) -> int:
-        """Queries per matmul at kc candidates: a row holds its n similarities, and the
-        top-k's working copies (the block maxima's columns, or a full top-k's sort)."""
-        n, size = self.unit.shape[0], self.unit.element_size()
-        if n // self.BLOCK > kc:
-            row = n * size + kc * self.BLOCK * (size + 17)
-        else:
-            row = n * (2 * size + 16)
-        return max(1, min(_MAX_CHUNK, self.budget // row))
+        """Queries per matmul at kc candidates."""
+        return self.tile(kc)[0]
 
-    def tolerance(self, d: int) -> float:
-        """A bound, with a factor 2 to spare, on |candidate-pass similarity - exact| for
-        unit vectors: operand rounding (2u, since sum |q_i t_i| <= 1), float32 accumulation
-        over d terms, and the result's rounding to the pass's dtype (u)."""
-        u = _UNIT[self.dtype]
-        return 2.0 * (3.0 * u + d * 2.0**-24)
-
-    def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sims, idx = [], []
-        unit = normalize(q.to(self.device)).to(self.dtype)
-        rows = self.rows_for(k)
-        with torch.no_grad(), _matmul_precision("highest"), _fp32_accumulation():
+    def __call__(self, q: torch.Tensor, kc: int) -> tuple[torch.Tensor, torch.Tensor]:
+        unit, err = self.queries(q)
+        n = self.unit.shape[0]
+        rows, cols = self.tile(kc)
+        last, cand = [], []
+        with torch.no_grad(), _pass_precision():
             for s in range(0, unit.shape[0], rows):
-                v, i = _top_candidates(unit[s:s + rows] @ self.unit.T, k, self.BLOCK)
-                sims.append(v)
-                idx.append(i)
-        return torch.cat(sims), torch.cat(idx)
+                top = idx = None
+                for c in range(0, n, cols):
+                    sims = unit[s:s + rows] @ self.unit[c:c + cols].T
+                    v, i = _top_candidates(sims, min(kc, sims.shape[1]), self.BLOCK)
+                    i = i + c
+                    if top is not None:   # the running kc best: the top of a union is the top of the tops
+                        v, w = torch.cat([top, v], 1).topk(min(kc, top.shape[1] + v.shape[1]), dim=1)
+                        i = torch.cat([idx, i], 1).gather(1, w)
+                    top, idx = v, i
+                last.append(top[:, -1])
+                cand.append(idx)
+        return self.bound(torch.cat(last), err, unit.shape[1]), torch.cat(cand)
 
 
 class _FaissSearch(_Search):
+    """FAISS's exact flat index over the float32 unit vectors (IEEE float32 sums, in BLAS
+    or its own loops: the float32 bound of _Search)."""
+
     GPU_MAX_K = 2048   # faiss's GPU indexes select at most this many neighbours per query
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
-        super().__init__(train, torch.device("cpu"), budget)   # its results and the re-rank: on the CPU
+        super().__init__(train, torch.device("cpu"), budget, torch.float32)   # results, re-rank: on the CPU
         faiss = _faiss()
         d = train.shape[1]
         if device.type == "cuda":
@@ -322,17 +423,16 @@ class _FaissSearch(_Search):
             self.max_k = self.GPU_MAX_K
         else:
             self.index = faiss.IndexFlatIP(d)
-        self.index.add(normalize(train).numpy())
-
-    def tolerance(self, d: int) -> float:
-        return 2.0 * (2.0 * 2.0**-24 + d * 2.0**-24)
+        self.index.add(self.unit.numpy())
+        self.unit = None   # the index holds its own copy
 
     def rows_for(self, kc: int) -> int:
         return _MAX_CHUNK
 
     def __call__(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sims, idx = self.index.search(normalize(q).numpy(), k)
-        return torch.from_numpy(sims), torch.from_numpy(idx).long()
+        unit, err = self.queries(q)
+        sims, idx = self.index.search(unit.numpy(), k)
+        return self.bound(torch.from_numpy(sims[:, -1]), err, q.shape[1]), torch.from_numpy(idx).long()
 
 
 # --------------------------------------------------------------------------- exact re-rank
@@ -403,6 +503,13 @@ def _rerank(search: _Search, q: torch.Tensor, cand: torch.Tensor | None, k: int)
 
 # --------------------------------------------------------------------------- search
 
+def first_candidates(k: int, tol: float, n: int) -> int:
+    """Candidates per query of the first pass: a coarser pass (its worst-case bound `tol`)
+    needs a wider margin for its exactness check to pass at once."""
+    margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
+    return min(n, k + margin)
+
+
 def knn_search(train_features, test_features, k: int, backend: str = "auto",
                chunk_size: int | None = None, device=None,
                budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,42 +532,36 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     n, d = train.shape
     k = check_ks([k], n)[0]
     search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev, budget)
-    # A training feature whose candidate-pass similarity is below (k-th exact - tol)
-    # cannot be among the k nearest: tol bounds the candidate pass's rounding.
-    tol = search.tolerance(d)
-    # a coarser pass needs more candidates for its check to pass at once
-    margin = max(8, k // 2) if tol < 1e-4 else max(16, k) if tol < 1e-2 else max(64, 4 * k)
-    first = min(n, k + margin)
+    first = first_candidates(k, search.tolerance(d), n)
     if chunk_size is None:  # one candidate matmul per chunk: a remainder would read the train features again
         chunk_size = min(pass_rows(first, budget), search.rows_for(first))
     chunk_size = int(max(1, min(_MAX_CHUNK, chunk_size)))
 
+    # Every query is searched at kc candidates, in chunks; those whose k-th exact similarity
+    # is not above the ceiling of what the pass left out are searched again at 4x, all
+    # together: one host sync per round (the count), none per chunk.
     at = search.device   # results stay there until the end: one copy back, not one per chunk
     out_s = torch.empty(test.shape[0], k, dtype=torch.float64, device=at)
     out_i = torch.empty(test.shape[0], k, dtype=torch.int64, device=at)
-    for start in range(0, test.shape[0], chunk_size):
-        pending = torch.arange(start, min(start + chunk_size, test.shape[0]), device=test.device)
-        kc = first
-        while pending.numel():
-            whole = kc >= n or (search.max_k is not None and kc > search.max_k)
-            per = pending.numel() if whole else pass_rows(kc, budget)
-            left = []
-            for s in range(0, pending.numel(), per):
-                rows = pending[s:s + per]
-                q = test[rows]
-                if whole:   # every training feature is a candidate: re-rank them all, no search
-                    exact, cand = _rerank(search, q, None, k)
-                    done = torch.ones(rows.numel(), dtype=torch.bool, device=at)
-                else:       # the search's last (smallest) candidate must be clearly below the k-th
-                    approx, cand = search(q, kc)
-                    exact, cand = _rerank(search, q, cand.to(at), k)
-                    done = approx[:, -1].to(at, torch.float64) < exact[:, k - 1] - tol
-                mine = rows.to(at)[done]
-                out_s[mine] = exact[done]
-                out_i[mine] = cand[done]
-                left.append(rows[~done.to(rows.device)])
-            pending = torch.cat(left)
-            kc = min(n, 4 * kc)
+    pending, kc = torch.arange(test.shape[0], device=at), first
+    while pending.numel():
+        whole = kc >= n or (search.max_k is not None and kc > search.max_k)
+        per = min(chunk_size, pass_rows(kc, budget))
+        asked, missed = [], []
+        for s in range(0, pending.numel(), per):
+            rows = pending[s:s + per]
+            q = test[rows.to(test.device)]
+            if whole:   # every training feature is a candidate: re-rank them all, no search
+                exact, cand = _rerank(search, q, None, k)
+            else:       # kept where the k-th is above everything the search left out
+                ceiling, cand = search(q, kc)
+                exact, cand = _rerank(search, q, cand.to(at), k)
+                asked.append(rows)
+                missed.append(ceiling.to(at) >= exact[:, k - 1])
+            out_s.index_copy_(0, rows, exact)
+            out_i.index_copy_(0, rows, cand)
+        pending = torch.cat(asked)[torch.cat(missed)] if asked else pending[:0]
+        kc = min(n, 4 * kc)
     return out_s.cpu(), out_i.cpu()
 
 

@@ -17,6 +17,7 @@ from resmlp.models.resmlp import (
     CrossPatchConv,
     CrossPatchLinear,
     CrossPatchMLP,
+    FusedResMLPBlock,
     ResMLP,
     ResMLPBlock,
     adapt_token_mixing,
@@ -38,15 +39,17 @@ def create_model(name: str, **overrides) -> ResMLP:
     the official code: S12 0.1, S24 1e-5, S36 1e-6, B24 1e-6), pooling ('avg' |
     'class_mlp'), norm ('affine' | 'layernorm'), cross_patch ('linear' | 'mlp' | 'conv3x3'
     | 'dwconv3x3' | 'dwsep3x3' | 'none'), grid_adapt ('none' | 'interpolate' | 'subgrid';
-    can be changed later with `model.grid_adapt = ...`), and dim / depth / mlp_ratio for
-    other sizes. An unknown name, key or value raises resmlp.core.errors.UserError.
+    can be changed later with `model.grid_adapt = ...`), fused (False; True: FusedResMLPBlocks,
+    the same parameters and function with Aff and LayerScale folded on every forward, for
+    training), and dim / depth / mlp_ratio for other sizes. An unknown name, key or value
+    raises resmlp.core.errors.UserError.
     """
     return create_resmlp(name, **overrides)
 
 
 __all__ = [
     'ARCHS', 'CROSS_PATCHES', 'GRID_ADAPTS', 'NORMS', 'OVERRIDE_KEYS', 'POOLINGS',
-    'Affine', 'ClassMLPPool', 'CrossPatchConv', 'CrossPatchLinear', 'CrossPatchMLP',
+    'Affine', 'ClassMLPPool', 'CrossPatchConv', 'CrossPatchLinear', 'CrossPatchMLP', 'FusedResMLPBlock',
     'LoadReport', 'ResMLP', 'ResMLPBlock', 'adapt_token_mixing', 'convert_state_dict',
     'create_model', 'detect_format', 'export_state_dict', 'fold_affine', 'list_models', 'load_pretrained',
 ]

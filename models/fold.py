@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from resmlp.models.resmlp import Affine, CrossPatchConv, CrossPatchLinear, Grid, ResMLP
+from resmlp.models.resmlp import Affine, CrossPatchConv, CrossPatchLinear, FusedResMLPBlock, Grid, ResMLP, ResMLPBlock
 
 def _split_norm(norm: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """norm = affine(normalize(x)) -> (normalize module, alpha, beta)."""
@@ -73,6 +73,9 @@ def fold_affine(model: ResMLP) -> ResMLP:
     """
     folded = copy.deepcopy(model).eval()
     for blk in folded.blocks:
+        if isinstance(blk, FusedResMLPBlock):
+            # the same parameters under the plain forward: here the folding is done once, for good
+            blk.__class__ = ResMLPBlock
         normalize, alpha, beta = _split_norm(blk.norm2)
         _fold_in_affine(blk.mlp.fc1, alpha, beta)
         _fold_out_scale(blk.mlp.fc2, blk.ls2.detach())
@@ -98,5 +101,6 @@ def fold_affine(model: ResMLP) -> ResMLP:
             folded.pool.norm = normalize
         _fold_in_affine(folded.head, alpha, beta)
     folded.folded = True
+    folded.fused = False
     return folded
 

@@ -148,6 +148,7 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     cfgm = dict(config_model or {})
     arch = {k: cfgm[k] for k in OVERRIDE_KEYS if k in cfgm and cfgm[k] is not None}
     arch.pop("drop_path_rate", None)   # training-only; eval mode ignores it anyway
+    arch.pop("fused", None)            # training-only: the same weights and function either way
     arch.pop("num_classes", None)
     dim, in_chans, p = int(w.shape[0]), int(w.shape[1]), int(w.shape[2])
     blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}

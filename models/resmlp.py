@@ -4,7 +4,8 @@ Paper: "ResMLP: Feedforward networks for image classification with data-efficien
 training", https://arxiv.org/abs/2105.03404. Written from the paper's Algorithm 1 and
 text; state_dicts of timm's `resmlp_*_224` and of the official facebookresearch/deit
 `resmlp_models.py` load through `convert_state_dict` / `load_pretrained` (convert.py);
-the inference copy with every Aff folded away is `fold_affine` (fold.py).
+the inference copy with every Aff folded away is `fold_affine` (fold.py), and the training
+block that folds them on every step is FusedResMLPBlock (`fused=True`, fused.py).
 
 Layout of one block on tokens X of shape (B, N, D), N = h * w patches:
 
@@ -29,6 +30,7 @@ from timm.models import register_model
 from torch.utils.checkpoint import checkpoint
 
 from resmlp.core.errors import UserError
+from resmlp.models import fused
 
 Grid = tuple[int, int]
 
@@ -303,6 +305,19 @@ class ResMLPBlock(nn.Module):
         return x + self.drop_path(y if self.ls2 is None else y * self.ls2)
 
 
+class FusedResMLPBlock(ResMLPBlock):
+    """ResMLPBlock with the same parameters and state-dict keys, whose forward folds the
+    Affs and LayerScales into the neighbouring weights on every call (models/fused.py has
+    the algebra): the same function with fewer passes over the activations, for training.
+    """
+
+    def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        return fused.fused_block_forward(self, x, grid)
+
+    def extra_repr(self) -> str:
+        return fused.describe(self)
+
+
 # ---------------------------------------------------------------------------------------
 # Class-MLP pooling
 # ---------------------------------------------------------------------------------------
@@ -391,12 +406,15 @@ class ResMLP(nn.Module):
       patch grid differs from the built one; it is a runtime attribute (`model.grid_adapt
       = 'subgrid'`) that reaches every cross-patch layer. Conv cross-patch variants take
       any grid; the MLP variant none but its own.
+    fused=True builds FusedResMLPBlocks: the same parameters and function, Aff and
+      LayerScale folded into the neighbouring weights on every forward (models/fused.py).
     """
 
     def __init__(self, img_size: int | Sequence[int] = 224, patch_size: int = 16, in_chans: int = 3,
                  num_classes: int = 1000, dim: int = 384, depth: int = 12, mlp_ratio: float = 4.0,
                  init_values: float = 0.1, drop_path_rate: float = 0.0, pooling: str = 'avg',
-                 norm: str = 'affine', cross_patch: str = 'linear', grid_adapt: str = 'none'):
+                 norm: str = 'affine', cross_patch: str = 'linear', grid_adapt: str = 'none',
+                 fused: bool = False):
         super().__init__()
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.img_size = img_size
@@ -409,14 +427,16 @@ class ResMLP(nn.Module):
         _check_choice('grid_adapt', grid_adapt, GRID_ADAPTS)
         self.grad_checkpointing = False
         self.folded = False
+        self.fused = bool(fused)
 
         self.patch_embed = PatchEmbed(patch_size, in_chans, dim)
         grid = self.patch_embed.grid_for(*img_size)
         self._grid = grid
         # Constant stochastic depth over blocks, as in the official ResMLP and timm code
         # (DINO's ViT ramps it linearly; ResMLP never did).
+        block = FusedResMLPBlock if fused else ResMLPBlock
         self.blocks = nn.ModuleList(
-            ResMLPBlock(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
+            block(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
             for _ in range(depth))
         self.norm = make_norm(norm, dim)
         self.pool = (ClassMLPPool(dim, grid, mlp_ratio, init_values, norm, grid_adapt)
@@ -567,7 +587,8 @@ _INT_KEYS = ('patch_size', 'in_chans', 'num_classes', 'dim', 'depth')
 _FLOAT_KEYS = ('drop_path_rate', 'init_values', 'mlp_ratio')
 _CHOICE_KEYS = {'pooling': POOLINGS, 'norm': NORMS, 'cross_patch': CROSS_PATCHES,
                 'grid_adapt': GRID_ADAPTS}
-OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS)
+_BOOL_KEYS = ('fused',)
+OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS
 
 
 def _as_int(key: str, v) -> int:
@@ -608,6 +629,9 @@ def _check_overrides(overrides: Mapping) -> dict:
                 raise UserError(f'model.{key} must be positive, got {v}')
         elif key in _FLOAT_KEYS:
             v = _as_float(key, v)
+        elif key in _BOOL_KEYS:
+            if not isinstance(v, bool):
+                raise UserError(f'model.{key} must be true or false, got {v!r}')
         else:
             v = _check_choice(f'model.{key}', v, _CHOICE_KEYS[key])
         out[key] = v

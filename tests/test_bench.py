@@ -37,7 +37,8 @@ def test_tiny_profile_measures_every_row(tmp_path):
 
     dino = by["dino"]
     assert {(r["strategy"], r["impl"]) for r in dino} == {
-        (s, i) for s in ("resize", "interpolate", "subgrid", "none") for i in ("ours eager", "reference")}
+        (s, i) for s in ("resize", "interpolate", "subgrid", "none")
+        for i in ("ours eager", "ours fused eager", "reference")}
     for r in dino:
         assert r["images_per_s"] > 0 and r["crops_per_s"] > r["images_per_s"] and r["gflop_per_image"] > 0
         if r["impl"] != "reference":
@@ -108,6 +109,32 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
             assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_the_fused_knob_crosses_every_line_of_ours(monkeypatch):
+    """bench.<profile>.fused: each of ours' lines (eager, compiled, graphed) for each value,
+    at the profile's batch and the largest one, labelled "ours fused ..." where true and as
+    before where false; the reference and the batch search once; the search with the plain
+    step (the larger one), and each line's step built with its own model.fused."""
+    p = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.compile=[false,true]",
+                                           "bench.tiny.graphs=[eager,compile]", "bench.tiny.largest_batch=true",
+                                           "bench.tiny.strategies=[subgrid]", "bench.tiny.interleave=false"]).bench.tiny
+    built = []
+    monkeypatch.setattr(R, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False:
+                        built.append((bool(comp), graphs, fused, batch)) or {"images_per_s": 1.0})
+    monkeypatch.setattr(R, "_dino_reference", lambda *a: {"images_per_s": 1.0})
+    monkeypatch.setattr(R, "build_our_step", lambda cfg, *a, **k: built.append(("search", cfg.model.fused)))
+    monkeypatch.setattr(R, "synthetic_crops", lambda plan, batch, dev: [])
+    monkeypatch.setattr(R, "call_step", lambda step, crops: None)
+    ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
+    R.dino_family(ctx)
+    lines = [(r["impl"], r["batch"]) for r in ctx.results if r["impl"] != "largest batch search"]
+    kinds = ("eager", "compile", "eager+graphs", "compile+graphs")
+    want = [(f"ours {f}{k}", b) for b in (4, 8) for f in ("", "fused ") for k in kinds]
+    assert sorted(lines) == sorted(want + [("reference", 4), ("reference", 8)])
+    assert built[0] == ("search", False) and ctx.results[0]["batch"] == 8  # the profile's max_batch
+    assert sorted(built[1:]) == sorted((c, g, f, b) for b in (4, 8) for f in (False, True)
+                                       for c, g in ((False, False), (True, False), (False, True), (True, True)))
+
+
 def test_compiled_step_equals_eager():
     """torch.compile (what the trainer and bench run on a GPU; inductor on the CPU here)
     gives the same two steps as eager: loss, center, teacher; subgrid exercises the grid
@@ -139,6 +166,38 @@ def test_compiled_step_equals_eager():
     eager = steps[False].teacher.state_dict()
     for key, value in steps[True].teacher.state_dict().items():
         assert torch.allclose(value, eager[key], atol=1e-4), key
+
+
+def test_the_knn_row_times_a_baseline_alternated_and_the_pass_alone(tmp_path, capsys):
+    """knn.baseline: another knn_search.py timed against ours in alternating repeats, with
+    a check that both give the same votes; torch-fp16 runs the pass in float16 on this
+    device; torch-pass times the candidate pass alone. A baseline that is not a file: one
+    line, exit 2, nothing written."""
+    import shutil
+    from pathlib import Path
+
+    import resmlp.eval.knn_search as ours
+    base = tmp_path / "knn_before.py"
+    shutil.copy(ours.__file__, base)
+    out = tmp_path / "bench"
+    assert main(["bench", "bench.profile=tiny", f"out={out}", "bench.rows=[knn]", f"bench.tiny.knn.baseline={base}",
+                 "bench.tiny.knn.backends=[torch,torch-fp16,torch-pass]"]) == 0
+    knn = {r["backend"]: r for r in json.loads((out / "bench.json").read_text())["rows"] if r["row"] == "knn"}
+    for backend in ("torch", "torch-fp16"):
+        r = knn[backend]
+        assert r["status"] == "ok" and r["same_as_baseline"] is True and r["baseline"] == str(base), r
+        assert len(r["repeats"]) == len(r["baseline_repeats"]) == 2 and r["vs_baseline"] > 0
+    assert knn["torch-fp16"]["pass_dtype"] == "float16" and "pass_dtype" not in knn["torch"]
+    assert knn["torch-pass"]["status"] == "ok" and "30 candidates, tiles of" in knn["torch-pass"]["note"]
+    assert 0 < knn["torch-pass"]["matmul_s"] and 0 < knn["torch-pass"]["maxima_s"]
+    assert ours._TorchSearch.DTYPES["cpu"] == torch.float32            # put back
+    capsys.readouterr()
+    missing = tmp_path / "missing"
+    assert main(["bench", "bench.profile=tiny", f"out={missing}", "bench.rows=[knn]",
+                 f"bench.tiny.knn.baseline={tmp_path / 'nope.py'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "knn.baseline" in err[0] and "no such file" in err[0]
+    assert not Path(missing).exists()
 
 
 def test_a_failing_line_is_reported_and_the_rest_go_on():

@@ -1,9 +1,11 @@
-"""`run.sh campaign`: a rehearsal of a GPU window on the CPU (a call killed with its process
-group mid-stage, a fresh machine that only has the last report, a call cut by its time),
-which ends with every figure of every call in the last report and nothing measured twice;
-the stages' order, start times and pytest bookkeeping; the preset's graphs decision; the
-bench's lines shared between its two stages; the checkpoint cadence and its time in the
-results; bad input; the report folder's limits."""
+"""`run.sh campaign`: a rehearsal of a GPU window on the CPU (two calls, the first killed with
+its process group mid-stage, the second on a fresh machine with only the last report and the
+window nearly spent, then the next window's call), which ends with every figure of every call
+in the last report and nothing measured twice; when a stage may start (its requirement, the
+window's end, the preset's prediction from its config and from the 2026-11-26 H100 log); the
+stages' order and pytest bookkeeping; the preset's graphs decision; the bench's lines shared
+between its two stages; the awaited keys of other branches; the profiles in summary.json; the
+checkpoint cadence and its time in the results; bad input; the report folder's limits."""
 import json
 import os
 import re
@@ -19,10 +21,13 @@ import pytest
 import torch
 
 from resmlp.bench import bench as B
+from resmlp.bench import campaign as C
 from resmlp.bench import campaign_stages as CS
+from resmlp.bench import campaign_state as S
 from resmlp.bench import rows as R
 from resmlp.bench.bench import Context
-from resmlp.bench.campaign import CUT_ENV, REPORT_FILES, STARTED_ENV, Campaign
+from resmlp.bench.campaign import REPORT_FILES, STARTED_ENV, Campaign
+from resmlp.bench.campaign_predict import measured, predict, schedule
 from resmlp.bench.report import MAX_BYTES, ReportError, write_report
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
@@ -30,19 +35,19 @@ from resmlp.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["campaign.profile=tiny"]
+H100_LOG = ROOT / "docs" / "bench" / "h100-2026-11-26" / "preset_log.jsonl"
 
 
 # --------------------------------------------------------------------------- the rehearsal
 
-def call(out, report, carried=None, kill=None, cut=None):
-    """One call as the lent machine makes it: its own process group; `kill`: a regex of
-    the output at which the whole group gets SIGKILL (the tool's time limit). Returns
-    (exit code, output lines, process group)."""
-    env = {k: v for k, v in os.environ.items() if k not in (CUT_ENV, STARTED_ENV)}
-    if cut:
-        env[CUT_ENV] = cut
+def call(out, report, window, carried=None, kill=None):
+    """One call as the lent machine makes it, told the window's time left: its own process
+    group; `kill`: a regex of the output at which the whole group gets SIGKILL (the tool's
+    time limit). Returns (exit code, output lines, process group)."""
+    env = {k: v for k, v in os.environ.items() if k != STARTED_ENV}
     argv = [sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
-            "campaign.call_s=200", *([f"campaign.from_report={carried}"] if carried else [])]
+            "campaign.call_s=600", f"campaign.window_left_s={window}",
+            *([f"campaign.from_report={carried}"] if carried else [])]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []
@@ -109,41 +114,61 @@ def report_obeys_the_limits(folder: Path, killed: bool = False) -> None:
 def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tmp_path):
     out = tmp_path / "campaign"
     reports = [tmp_path / f"report{i}" for i in (1, 2, 3)]
+    tiny = load_config("campaign", None, TINY).campaign.tiny
 
-    # call 1: tests and bench_first end; the preset is killed mid-epoch with the whole group
-    rc, lines1, pgid = call(out, reports[0], kill=r"^ep 1/2 it 2/6 ")
+    # the window's call 1: the tests, then the preset, whose prediction fits; the tool's
+    # kill of the whole group lands in its first epoch
+    rc, lines1, pgid = call(out, reports[0], window=100000, kill=r"^ep 1/2 it 2/6 ")
     assert rc == -signal.SIGKILL, lines1[-20:]
     deadline = time.time() + 10
     while alive_in_group(pgid) and time.time() < deadline:
         time.sleep(0.2)
     assert not alive_in_group(pgid), "a process of the killed call outlived it"
     s1, st1 = summary(reports[0])
-    assert [st1[n]["status"] for n in ("tests", "bench_first", "preset")] == ["done", "done", "running"]
+    assert [st1[n]["status"] for n in ("tests", "preset", "bench_fused")] == ["done", "running", "pending"]
     assert st1["tests"]["tests"] == st1["tests"]["skipped"] >= 7  # test_graphs.py's CUDA tests, skipped here
     assert st1["tests"]["skip_reasons"] == ["needs a CUDA GPU"]
-    bench1 = json.loads((reports[0] / "bench.json").read_text())["rows"]
-    assert bench1 and all(r["run"] == 1 for r in bench1)
+    # the preset's prediction, from its config (2 epochs of 48 images, the k-NN every epoch) and the constants
+    k = tiny.predict
+    pred = st1["preset"]["prediction"]
+    assert (pred["epochs"], pred["images_per_epoch"], pred["evaluations"]) == (2, 48, 1)
+    assert set(pred["from"].values()) == {"campaign.tiny.predict"}
+    assert pred["need_s"] == pytest.approx(k.launch_s + k.startup_s + 2 * 48 / k.images_per_s + k.eval_s + k.end_s,
+                                           abs=0.1)
+    assert any(line.startswith(f"campaign: preset: predicted {pred['need_s']:.0f} s = ") for line in lines1)
     report_obeys_the_limits(reports[0], killed=True)
 
-    # call 2, a fresh machine: only the report comes in; the bench is cut by the call's end
+    # call 2, a fresh machine with only the report, and the window nearly spent: 60 s, of
+    # which 5 go to the machine's start and 20 to the margin, 10 to the stop signal's grace:
+    # under 25 s for a stage. The preset (at least its 30 s) is not started in this window;
+    # the bench starts, its lines kept one by one
     shutil.rmtree(out)
-    rc, lines2, _ = call(out, reports[1], carried=carry(reports[0], tmp_path / "carried1"),
-                         cut=r"^\[bench\] dino: resmlp_s24 interpolate ours eager")
-    assert rc == 75, lines2[-30:]
+    rc, lines2, _ = call(out, reports[1], window=60, carried=carry(reports[0], tmp_path / "carried1"))
+    assert rc == 0, lines2[-30:]
     first = lines2[0]
     assert first.startswith("campaign: call 2 ") and "a fresh machine" in first, first
     assert "preset starts again from epoch 0" in first and "nothing it holds is measured again" in first, first
-    assert any(line.startswith("campaign: preset starts again from epoch 0 (attempt 2)") for line in lines2)
+    assert "the call ends 35 s after run.sh's start, by the window" in first, first
     s2, st2 = summary(reports[1])
-    assert st2["preset"]["status"] == "done" and st2["bench"]["status"] == "cut" and s2["call_again"]
-    assert "without dino.cuda_graphs" in st2["preset"]["graphs"]["why"]  # the graph tests skipped here
+    window2 = s2["calls"][-1]
+    assert (window2["fresh_machine"], window2["ends_by"], window2["ends_after_s"]) == (True, "window", 35)
+    assert window2["wall_s"] <= 60 - tiny.start_s  # the margin (20 s) is the slack for the last report's writes
+    verdicts = {x["stage"]: x["verdict"] for x in window2["not_started"]}
+    assert verdicts["preset"] == "window" and st2["preset"]["status"] == "cut"
+    assert any(re.match(r"campaign: preset: needs \d+ s .*not started in this window$", line) for line in lines2)
+    assert any(line.startswith("campaign: bench_fused starts (run 1)") for line in lines2)
+    if st2["bench_fused"]["status"] == "done":  # then the profiles were weighed too
+        assert verdicts["profile_preset"] == verdicts["profile_224"] == "window"
+    assert not s2["call_again"] and {"preset", "profile_preset", "profile_224"} <= set(s2["left_for_another_window"])
+    assert "left for another window: " in "\n".join(lines2)
 
-    # call 3 on the same (warm) machine: the bench goes on from its last line
-    rc, lines3, _ = call(out, reports[2], carried=carry(reports[1], tmp_path / "carried2"))
+    # call 3, the next window's first, on a fresh machine with call 2's report: the rest
+    shutil.rmtree(out)
+    rc, lines3, _ = call(out, reports[2], window=100000, carried=carry(reports[1], tmp_path / "carried2"))
     assert rc == 0, lines3[-30:]
     s3, st3 = summary(reports[2])
     report_obeys_the_limits(reports[2])
-    assert not s3["call_again"] and all(x["status"] == "done" for x in st3.values())
+    assert not s3["call_again"] and all(x["status"] == "done" for x in st3.values()), lines3[-30:]
     assert [len(s["calls"]) for s in (s1, s2, s3)] == [1, 2, 3]
 
     # no stage ran again once done, and the finished ones ran once
@@ -154,51 +179,197 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
             assert not (m.group(3) and m.group(1) in done), f"{m.group(1)} ran after it was done"
             if m.group(2):
                 done.add(m.group(1))
-    assert (st3["tests"]["runs"], st3["bench_first"]["runs"], st3["preset"]["attempt"]) == (1, 1, 2)
+    assert (st3["tests"]["runs"], st3["preset"]["attempt"], st3["profile_preset"]["runs"]) == (1, 2, 1)
 
     # no bench line measured twice: every line printed as measured is one row of the last bench.json
     bench3 = json.loads((reports[2] / "bench.json").read_text())
     keys = [r["key"] for r in bench3["rows"]]
-    measured = [line for line in every if line.startswith("[bench] ") and not re.search(r"\(run \d+\)$", line)
-                and "before this line" not in line]
-    assert len(keys) == len(set(keys)) == len(measured) and bench3["left"] == 0
-    assert {r["run"] for r in bench3["rows"]} == {1, 2, 3}
+    measured_lines = [line for line in every if line.startswith("[bench] ")
+                      and not re.search(r"\(run \d+\)$", line) and "before this line" not in line]
+    assert len(keys) == len(set(keys)) == len(measured_lines) and bench3["left"] == 0
+    assert bench3["runs"] in (2, 3)  # bench_fused's run(s) (cut in call 2 or not), then bench's
 
     # every figure of every call is in the last report
     rows3 = {r["key"]: r for r in bench3["rows"]}
-    for r in bench1 + json.loads((reports[1] / "bench.json").read_text())["rows"]:
+    for r in json.loads((reports[1] / "bench.json").read_text())["rows"]:
         if not r.get("left"):
             assert facts(rows3[r["key"]]) == facts(r)
     assert st3["tests"]["outcomes"] == st1["tests"]["outcomes"]
     log3 = records(reports[2] / "preset_log.jsonl")
-    restart = next(i for i, r in enumerate(log3) if "restart" in r)
-    assert log3[:restart] == records(reports[0] / "preset_log.jsonl")  # the killed attempt, as call 1 reported it
+    restarts = [i for i, r in enumerate(log3) if "restart" in r]
+    assert len(restarts) == 1, restarts  # call 2 did not start it: one restart, not two
+    assert log3[:restarts[0]] == records(reports[0] / "preset_log.jsonl")  # the killed attempt, as call 1 reported it
     assert st3["preset"]["earlier_attempts"][0]["knn_curve"] == st1["preset"]["knn_curve"]
     assert [e for e, _ in st3["preset"]["knn_curve"]] == [0, 1, 2] and st3["preset"]["epochs_trained"] == 2
     assert st3["preset"]["results"]["timing"]["checkpoints"] == 2  # ckpt_epochs=1 here: both epoch ends
+    # the profiles of the preset's step and of the larger one, folded into summary.json
+    assert st3["profile_preset"]["profile"]["config"]["crops"] == "2x32+2x16"
+    assert st3["profile_224"]["profile"]["config"]["crops"] == "2x64+2x32"
+    assert all("step eager" in st3[n]["profile"]["phases"] for n in ("profile_preset", "profile_224"))
 
 
-# --------------------------------------------------------------------------- the stages
+# --------------------------------------------------------------------------- the stages and their time
 
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     cfg = load_config("campaign", None, [*TINY, f"out={tmp_path}"])
     p, stages = CS.plan(cfg, tmp_path)
-    assert [s.name for s in stages] == ["tests", "bench_first", "preset", "bench", "compare"]
-    gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests]"])
+    assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench"]
+    gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
     p, stages = CS.plan(gpu, tmp_path)
-    assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 60)]
+    assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
     assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
+    assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
-                      (["campaign.stages=[preset,viz]"], "one of tests, bench_first, preset, bench, compare"),
-                      (["campaign.call_s=170"], "no time for the preset stage")):
+                      (["campaign.stages=[preset,viz]"], "one of tests, preset, bench_fused, profile_preset"),
+                      (["campaign.call_s=200"], "no time for the bench stage"),
+                      (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
             CS.plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
     # the bench stages share one bench.json; the first one asks for the S12 lines of the step and the k-NN
     _, stages = CS.plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
-    assert by["bench_first"].dir == by["bench"].dir == tmp_path / "bench"
-    assert "bench.rows=[dino,knn]" in by["bench_first"].argv and "bench.models=[resmlp_s12]" in by["bench_first"].argv
-    assert by["bench_first"].line_s == 90 and by["bench"].line_s == 150
+    assert by["bench_fused"].dir == by["bench"].dir == tmp_path / "bench"
+    assert "bench.rows=[dino,knn]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
+    assert by["bench_fused"].line_s == 90 and by["bench"].line_s == 150
+    # the profiles: bench/profile.py on the preset's own config, and at 224 px, each into its own folder
+    assert by["profile_preset"].argv[:2] == ["-m", "resmlp.bench.profile"]
+    assert by["profile_preset"].argv[2:6] == ["demo=false", "device=cuda", "compile=true", "ckpt_epochs=10"]
+    assert "data.img_size=224" in by["profile_224"].argv
+    assert by["profile_224"].argv[-1] == f"profile.out={tmp_path / 'profile_224'}"
+
+
+def test_a_stage_needs_its_whole_time_under_a_window_and_a_bench_stage_its_longest_line():
+    preset = CS.Stage("preset", [], Path("."), 150)
+    bench = CS.Stage("bench", [], Path("."), 120, line_s=150)
+    tests = CS.Stage("tests", [], Path("."), 100)
+    compare = CS.Stage("compare", [], Path("."), 150, budget_s=900, wall_s=700)
+    predicted = {"need_s": 1062.0}
+    assert CS.requirement(preset, {}, True, predicted)[0] == 1062
+    assert CS.requirement(preset, {}, True, {"need_s": 40.0})[0] == 150  # never under min_start_s
+    assert CS.requirement(preset, {}, False, predicted)[0] == 150  # no window: it resumes from its checkpoint
+    assert CS.requirement(compare, {"stop_grace_s": 30}, True, predicted)[0] == 170  # its budget, to its stop
+    assert CS.requirement(bench, {}, True, None)[0] == 151
+    assert CS.requirement(tests, {}, True, None)[0] == 100
+    assert [CS.decide(100, left, later) for left, later in ((100, 0), (99, 100), (99, 99))] == \
+        ["start", "next_call", "window"]
+
+
+class Clock:
+    """time.time for the campaign module, moved by hand."""
+
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def time(self):
+        return self.now
+
+
+def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(C, "time", types.SimpleNamespace(time=clock.time, sleep=time.sleep))
+    monkeypatch.delenv(STARTED_ENV, raising=False)
+
+    def campaign(out, *extra):
+        c = Campaign(load_config("campaign", None, [f"out={out}", *extra]))
+        c.load()
+        c.calls.append({"call": 1, "setup_s": 6.0, "not_started": []})
+        return c
+
+    # a first call: a fresh machine; the call (570 s) ends before the window (900 - 40 - 20)
+    first = campaign(tmp_path / "a", "campaign.window_left_s=900")
+    first.by_name["tests"].status = "done"
+    assert first.fresh and first.deadline - first.started == 570 and first.window_end - first.started == 840
+    # a warm machine (the campaign dir holds a state) with 300 s left: no start to count
+    (tmp_path / "b").mkdir()
+    S.write_state(tmp_path / "b", {"stages": {}, "calls": []})
+    warm = campaign(tmp_path / "b", "campaign.window_left_s=300")
+    assert not warm.fresh and warm.deadline - warm.started == 280
+    assert campaign(tmp_path / "c", "campaign.window_left_s=300").deadline - clock.now == 240
+    assert campaign(tmp_path / "d").window_end is None  # no window: only call_s
+
+    # 88 s in (the tests done): 452 s left before the stop signal; a next call could give
+    # min(570 - 6, 840 - 88 - 40 - 20 - 6) - 30 = 534 s
+    clock.now = first.started + 88
+    assert first.next_call_s() == pytest.approx(534)
+    record = first.calls[-1]
+    preset = first.by_name["preset"]  # 100 epochs at the 2026-11-26 rates: about 1077 s
+    assert first.run_stage(preset, record) is True and record["not_started"][-1]["verdict"] == "window"
+    assert preset.status == "pending" and preset.note.startswith("not started in call 1: needs 1077 s")
+    shorter = campaign(tmp_path / "e", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=40]")
+    clock.now = shorter.started + 88  # 15 + 88 + 40 x 59904 / 6600 + 3 x 4 + 30 = 508 s: the next call has it
+    assert shorter.run_stage(shorter.by_name["preset"], shorter.calls[-1]) is False
+    assert shorter.calls[-1]["not_started"][-1]["verdict"] == "next_call"
+    short = campaign(tmp_path / "f", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=30]")
+    clock.now = short.started + 88  # 413 s: it starts
+    need, _ = short.requirement(short.by_name["preset"])
+    assert need == pytest.approx(15 + 88 + 30 * 59904 / 6600 + 2 * 4 + 30, abs=0.1)
+    assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
+    # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
+    # 294 - 40 - 20 - 6 - 30 = 198 s: bench_fused (120 s), the profiles (120 s) and the bench (180 s) fit it
+    clock.now = first.started + 546
+    assert [s.name for s in first.left_for_later()] == ["bench_fused", "profile_preset", "profile_224", "bench"]
+    assert first.exit_code() == 75
+    clock.now = first.started + 650  # 840 - 650 - 96 = 94 s: nothing fits; the preset needs another window
+    assert first.left_for_later() == [] and first.exit_code() == 0
+
+
+def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
+    gpu = load_config("campaign", None, [f"out={tmp_path}"]).campaign.gpu.predict
+    dino = load_config("dino", "resmlp_s12", ["demo=false"])  # the Fashion-MNIST preset
+    sched = schedule(dino, 60000)
+    assert sched == {"epochs": 100, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
+    const = predict(sched, gpu, {}, "campaign.gpu.predict")
+    assert const["evaluations"] == 9  # epochs 10..90; the last epoch's is the end's
+    assert const["need_s"] == pytest.approx(15 + 88 + 100 * 59904 / 6600 + 9 * 4 + 30, abs=0.1)
+    # the log the H100 wrote on 2026-11-26 (its last attempt, before call 2's restart line)
+    seen = measured(H100_LOG.read_bytes(), 59904, 10)
+    assert seen["attempt"] == 1 and seen["startup_s"] == 87.6
+    assert 6600 < seen["images_per_s"] < 6620  # the median of its log lines after the first
+    # 95.2 s from the k-NN of epoch 10 to epoch 20's, less 10 epochs of training at that rate
+    assert seen["eval_s"] == pytest.approx(95.2 - 10 * 59904 / seen["images_per_s"], abs=1e-6)
+    full = predict(sched, gpu, seen, "campaign.gpu.predict")
+    assert full["from"]["startup_s"] == "measured by its attempt 1"
+    assert full["from"]["end_s"] == full["from"]["launch_s"] == "campaign.gpu.predict"
+    # the terms give back the log's own time line: its start, 20 epochs and the k-NN of epochs 10 and 20
+    assert seen["startup_s"] + 20 * 59904 / seen["images_per_s"] + 2 * seen["eval_s"] == pytest.approx(274.1, rel=0.02)
+    # resumed at epoch 23.08 (its checkpoint, on the same machine): the evaluations of 30..90 are left
+    resumed = predict(sched, gpu, seen, "x", from_epoch=23.08)
+    assert resumed["evaluations"] == 7 and resumed["train_s"] == pytest.approx(76.92 * 59904 / seen["images_per_s"],
+                                                                                rel=1e-3)
+    # the config decides: a subset, another length and evaluation cadence
+    other = load_config("dino", "resmlp_s12", ["demo=false", "data.subset=30000", "epochs=50", "eval_every=5"])
+    from resmlp.bench.campaign_predict import train_images
+    assert train_images(other, None) == 30000 and train_images(dino, 48) == 48 and train_images(dino, None) == 60000
+    assert predict(schedule(other, 30000), gpu, {}, "x")["evaluations"] == 9
+
+
+def test_the_fused_stages_ask_for_the_fused_block(tmp_path):
+    _, stages = CS.plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    by = {s.name: s for s in stages}
+    assert "bench.gpu.fused=[true]" in by["bench_fused"].argv
+    assert "model.fused=true" in by["profile_preset"].argv and "model.fused=true" in by["profile_224"].argv
+
+
+def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machine(tmp_path):
+    top = [{"name": f"kernel_{i}_" + "x" * 300, "ms_per_call": 1.0 / (i + 1), "count": 3} for i in range(25)]
+    profile = {"config": {"model": "resmlp_s12", "crops": "2x32+8x16", "batch": 512},
+               "phases": {"step eager": {"ms": 80.0, "images_per_s": 6400.0},
+                          "step compiled": {"ms": 40.0, "images_per_s": 12800.0}},
+               "kernels_compiled": {"wall_ms": 40.2, "busy_ms": 38.1, "kernels_per_call": 812.0, "top": top}}
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    stage = CS.Stage("profile_preset", [], tmp_path, 120, status="done")
+    stage.profile = S.profile_figures(tmp_path / "profile.json")
+    assert len(stage.profile["kernels_compiled"]["top"]) == S.PROFILE_TOP < 25
+    assert all(len(k["name"]) <= 160 for k in stage.profile["kernels_compiled"]["top"])
+    assert stage.profile["phases"] == profile["phases"] and stage.profile["kernels_compiled"]["busy_ms"] == 38.1
+    line = S.describe(stage)
+    assert "step compiled 40.0 ms (12800 img/s)" in line and "device busy 38.1 of 40.2 ms per call" in line
+    # in the stage's state, so in summary.json, and back from a carried report on a fresh machine
+    fresh = tmp_path / "fresh"
+    S.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2)
+    again = CS.Stage("profile_preset", [], fresh / "profile_preset", 120)
+    again.take(S.read_state(fresh)["stages"]["profile_preset"])
+    assert again.profile == stage.profile and again.status == "done"
 
 
 def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
@@ -328,6 +499,10 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     assert main(["campaign", "campaign.profile=nope", out]) == 2
     assert main(["campaign", "campaign.profile=tiny", "campaign.call_s=10", out]) == 2
     assert "min_start_s.tests + stop_grace_s" in capsys.readouterr().err
+    assert main(["campaign", *TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: campaign.window_left_s=-60 is not allowed: campaign.window_left_s "
+                                        "must be a number > 0 (or null)"] and not (tmp_path / "never").exists()
     state = {"commands": {"preset": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", "epochs=3"]}, "stages": {},
              "calls": []}
     (tmp_path / "campaign.json").write_text(json.dumps(state))

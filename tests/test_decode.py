@@ -2,6 +2,7 @@
 ones shrunk only while enough detail is left, batched with their sizes, decoded on the
 GPU on request, and the preview drawn by the trainer's own data path."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -148,18 +149,74 @@ def test_deferred_jpegs_assemble_the_same_batch(tmp_path):
     assert torch.equal(deferred.decode_on(torch.device("cpu")), eager.decode_on(torch.device("cpu")))
 
 
-def test_decode_gpu_needs_cuda_and_the_device_path(tmp_path):
+def test_decode_gpu_needs_cuda_the_device_path_and_image_files(tmp_path, capsys):
     cfg = dino_cfg(tmp_path, "data.decode=gpu")
     with pytest.raises(UserError, match="CUDA"):
         build_views(cfg, crop_plan(cfg), device=torch.device("cpu"))
     with pytest.raises(UserError, match="dino.augment=device"):
         cfg2 = dino_cfg(tmp_path, "data.decode=gpu", "dino.augment=workers")
         build_views(cfg2, crop_plan(cfg2), device=torch.device("cuda"))
+    # an in-memory set (Fashion-MNIST, CIFAR, STL-10) has no files: data.decode=gpu would defer nothing
+    out = tmp_path / "run"
+    assert main(["dino", "resmlp_s12", "demo=false", "data=cifar10", "data.decode=gpu", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data=cifar10 holds its images decoded in memory" in err[0], err
+    assert "use data.decode=cpu" in err[0] and not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")  # the trainer pins for CUDA
+def test_the_trainers_loader_hands_plain_jpegs_to_the_device_as_bytes(tmp_path):
+    """data.decode=gpu through the loader the trainer builds (ssl/train.py build_data, one loader
+    worker): the baseline colour JPEGs the workers would decode at their own size reach the
+    device stage as the files' bytes, every other file is decoded in the workers, and the
+    batch the device stage assembles (torchvision's CPU decoder standing in for the GPU's) is
+    the data.decode=cpu batch."""
+    from types import SimpleNamespace
+
+    from resmlp.ssl.train import build_data
+    side = 146  # source_side at data.img_size=64
+    files = {"a/plain.jpg": (120, 90, {}), "a/tall.jpg": (90, 140, {}), "b/at_side.jpg": (146, 100, {}),
+             "b/progressive.jpg": (100, 80, {"progressive": True}), "a/cmyk.jpg": (100, 80, {"mode": "CMYK"}),
+             "b/gray.jpg": (100, 80, {"mode": "L"}), "a/image.png": (100, 80, {}),
+             "b/large.jpg": (300, 200, {}),  # shrunk to the source side in the workers
+             "a/square.jpg": (side, side, {})}  # libjpeg would halve it while decoding (short side >= 2 x 73)
+    on_device = {"a/plain.jpg", "a/tall.jpg", "b/at_side.jpg"}
+    for name, (w, h, kw) in files.items():
+        path = tmp_path / "train" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        img = synthetic_image(w, h, len(name)).convert(kw.pop("mode", "RGB"))
+        img.save(path, **({"quality": 90} if path.suffix == ".jpg" else {}), **kw)
+    with Image.open(tmp_path / "train" / "b/progressive.jpg") as im:
+        assert im.info.get("progressive")  # the file is what its name says
+    run = SimpleNamespace(device=torch.device("cuda"), amp_dtype=torch.bfloat16, batch_per_rank=len(files))
+    batches = {}
+    for decode in ("gpu", "cpu"):
+        cfg = dino_cfg(tmp_path, f"data.decode={decode}", "num_workers=1")
+        assert source_side(cfg.data) == side
+        _, ds, loader, sampler = build_data(cfg, run, crop_plan(cfg))
+        sampler.set_epoch(0)
+        batches[decode] = batch = next(iter(loader))
+        names = [os.path.relpath(ds.samples[int(k) % len(ds)][0], tmp_path / "train") for k in batch.keys]
+        assert sorted(names) == sorted(files)  # every file, in one batch
+        deferred = {names[i]: x for i, x in zip(batch.jpeg_slots, batch.jpegs)}
+        if decode == "cpu":
+            assert not deferred and batch.pixel_slots == list(range(len(files)))
+            continue
+        assert set(deferred) == on_device, sorted(deferred)  # the rest: decoded on the CPU
+        assert {names[i] for i in batch.pixel_slots} == set(files) - on_device
+        for name, x in deferred.items():
+            assert x.dtype == torch.uint8 and bytes(x.numpy()) == (tmp_path / "train" / name).read_bytes()
+    gpu, cpu = batches["gpu"], batches["cpu"]
+    assert torch.equal(gpu.keys, cpu.keys) and torch.equal(gpu.sizes, cpu.sizes)
+    assert torch.equal(gpu.decode_on(torch.device("cpu")), cpu.decode_on(torch.device("cpu")))
 
 
 @needs_cuda
 def test_gpu_decode_gives_the_cpu_decoders_pixels_and_crops(tmp_path):
-    cfg = dino_cfg(tree(tmp_path), "data.decode=gpu")
+    # at data.img_size=64 the source side is 146 px: the four files within it go to the GPU
+    # as bytes, the two larger ones are shrunk in the workers (SIZES alone would all be)
+    cfg = dino_cfg(tree(tmp_path, [(120, 90), (90, 140), (500, 375), (146, 100), (1400, 300), (64, 48)]),
+                   "data.decode=gpu")
     cpu_cfg = dino_cfg(tmp_path, "data.decode=cpu")
     dev = torch.device("cuda")
     ds = build_dataset(cfg.data, "train")
@@ -171,7 +228,8 @@ def test_gpu_decode_gives_the_cpu_decoders_pixels_and_crops(tmp_path):
         batch = next(iter(loader))
         batches[name] = (batch, batch.decode_on(dev), views.to_device(batch, dev))
     (gb, gimg, gcrops), (cb, cimg, ccrops) = batches["gpu"], batches["cpu"]
-    assert gb.jpegs and torch.equal(gb.sizes, cb.sizes) and gimg.shape == cimg.shape
+    assert len(gb.jpegs) == 4 and not cb.jpegs
+    assert torch.equal(gb.keys, cb.keys) and torch.equal(gb.sizes, cb.sizes) and gimg.shape == cimg.shape
     diff = (gimg.float() - cimg.float()).abs()
     assert diff.mean() < 1.5 and diff.max() <= 64  # two JPEG decoders: rounding, chroma upsampling
     assert all((a - b).abs().mean() < 0.05 for a, b in zip(gcrops, ccrops))

@@ -59,20 +59,18 @@ class SyncCounter:
 
 
 @needs_fmnist
-def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch):
+def test_host_syncs_do_not_grow_with_iterations(tmp_path, monkeypatch, short_knn):
     """The trainer reads device values only at log lines, checkpoints and epoch ends: a run
     of 8 iterations makes exactly as many host reads as a run of 4."""
     from resmlp.ssl import train as dino_train
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     counts = {}
     for n in (4, 8):
         counter = SyncCounter(monkeypatch)
-        cfg = load_config("dino", "resmlp_s12", [*TINY, f"data.subset={32 * n}", "log_every=1000",
+        cfg = load_config("dino", "resmlp_s12", [*TINY, f"data.subset={32 * n}", "log_every=1000", *short_knn,
                                                  f"out={tmp_path / str(n)}"])
         dino_train.train(cfg)
         counts[n] = counter.count
         monkeypatch.undo()
-        monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     assert counts[4] == counts[8], counts
     assert counts[8] <= 6, counts  # the end-of-run reads only
 
@@ -187,7 +185,7 @@ def test_fused_adamw_gives_the_same_steps():
 
 # ---- 2. the trainer's augmentation: compiled with compile=true, in the step's dtype ---------
 @needs_fmnist
-def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path, monkeypatch):
+def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path, monkeypatch, short_knn):
     from resmlp.data import gpu_augment
     from resmlp.ssl import train as dino_train
     seen = {}
@@ -198,10 +196,9 @@ def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path
         kw["compile"] = False  # the wiring is what this test checks; compiling costs minutes on 2 cores
         return real(cls, plan, data_cfg, **kw)
     monkeypatch.setattr(gpu_augment.GpuMultiCrop, "from_plan", classmethod(spy))
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     monkeypatch.setattr(dino_train, "build_dino_step", _eager_step_builder())
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "compile=true", "precision=bf16",
-                                             f"out={tmp_path}"])
+                                             *short_knn, f"out={tmp_path}"])
     dino_train.train(cfg)
     assert seen == {"compile": True, "out_dtype": torch.bfloat16}
 
@@ -257,11 +254,9 @@ def test_grad_checkpointing_is_passed_to_the_model_and_keeps_gradients():
 
 
 @needs_fmnist
-def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
+def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys, short_knn):
     from resmlp.core.cli import main
     from resmlp.ssl import step as step_module
-    from resmlp.ssl import train as dino_train
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
     calls = {"n": 0}
     real = step_module.DinoStep.__call__
 
@@ -271,7 +266,7 @@ def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, mon
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, *a, **k)
     monkeypatch.setattr(step_module.DinoStep, "__call__", oom_at_third)
-    code = main(["dino", "resmlp_s12", *TINY, "data.subset=128", "ckpt_every=1", f"out={tmp_path}"])
+    code = main(["dino", "resmlp_s12", *TINY, "data.subset=128", "ckpt_every=1", *short_knn, f"out={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "32 images per GPU" in err[0] and "batch_size" in err[0] and "model.grad_checkpointing=true" in err[0]
@@ -290,13 +285,14 @@ def test_grad_checkpointing_may_change_on_resume():
 
 # ---- 7. fp32 feature extraction, memory logging ----------------------------------------------
 @needs_fmnist
-def test_dino_knn_extracts_in_fp32_when_asked(tmp_path, monkeypatch):
+def test_dino_knn_extracts_in_fp32_when_asked(tmp_path, monkeypatch, short_knn):
     from resmlp.eval import knn
     from resmlp.ssl import train as dino_train
     seen = []
-    monkeypatch.setattr(knn, "online_knn", lambda *a, **k: seen.append(k["amp_dtype"]) or
-                        {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
-    cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "precision=fp32", f"out={tmp_path}"])
+    real = knn.online_knn
+    monkeypatch.setattr(knn, "online_knn", lambda *a, **k: seen.append(k["amp_dtype"]) or real(*a, **k))
+    cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "precision=fp32", *short_knn,
+                                             f"out={tmp_path}"])
     dino_train.train(cfg)
     assert seen == [torch.float32]
 

@@ -164,12 +164,11 @@ def test_imagenet_recipe_follows_dinos_300_epoch_run():
 @pytest.mark.parametrize("strategy,augment", [("resize", "device"), ("interpolate", "device"),
                                               ("subgrid", "device"), ("none", "device"),
                                               ("subgrid", "workers")])
-def test_every_local_crop_strategy_trains(tmp_path, strategy, augment, monkeypatch):
+def test_every_local_crop_strategy_trains(tmp_path, strategy, augment, short_knn):
     from resmlp.ssl import train as dino_train
-    # The k-NN report has its own test; here only the training step of each strategy.
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20})
+    # judged on a small labeled folder: the trainer's own k-NN, short
     run, student, teacher, results = dino_train.train(tiny_cfg(tmp_path, f"dino.local_crops={strategy}",
-                                                                 f"dino.augment={augment}", "epochs=1"))
+                                                                 f"dino.augment={augment}", "epochs=1", *short_knn))
     assert results["local_crops"] == strategy
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
@@ -207,22 +206,18 @@ def test_run_writes_outputs_and_prints_knn(tmp_path):
     assert any(k.startswith("backbone.") for k in ckpt["teacher"])
 
 
-def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypatch):
+def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypatch, fake_forward):
+    from test_folder import labeled
+
     from resmlp.eval import knn
     from resmlp.ssl.train import knn_report
 
-    class Images(list):
-        classes = ["a", "b", "c"]
-
-    g = torch.Generator().manual_seed(0)
-    data = {split: (torch.randn(n, 5, generator=g), torch.arange(n) % 3) for split, n in (("train", 30), ("test", 9))}
-    sets = {split: Images((torch.rand(3, 8, 8, generator=g), int(y)) for y in data[split][1]) for split in data}
     asked = []
+    real = knn.online_knn
 
     def online_knn(*args, keep_features=False, **kwargs):
         asked.append(keep_features)   # the grid reuses the k-NN's own features, extracted once
-        out = {"knn_top1": 50.0, "knn_top5": 90.0, "knn_k": 20}
-        return {**out, "features": data, "datasets": sets} if keep_features else out
+        return real(*args, keep_features=keep_features, **kwargs)
 
     class FakeRun:
         is_main, device, world_size, amp_dtype = True, torch.device("cpu"), 1, None
@@ -235,7 +230,9 @@ def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypa
             self.images.append((tag, image.shape, image.dtype, step))
 
     monkeypatch.setattr(knn, "online_knn", online_knn)
-    run, cfg = FakeRun(), tiny_cfg(tmp_path)
+    run = FakeRun()
+    cfg = tiny_cfg(tmp_path, "data=imagefolder", f"data.root={labeled(tmp_path / 'lab', per_class=6)}",
+                   "data.img_size=32", "data.subset=null", "knn.k=5")
     knn_report(run, None, cfg, "epoch 1", picture_step=7)
     assert asked == [True] and len(run.images) == 1
     tag, shape, dtype, step = run.images[0]

@@ -1,5 +1,8 @@
 """dino.cuda_graphs (ssl/graphs.py): the step with its schedules in device tensors. On the
 CPU its arithmetic runs uncaptured against DinoStep's own; the capture itself needs CUDA."""
+import json
+import math
+
 import pytest
 import torch
 
@@ -199,23 +202,47 @@ def fashion_mnist_found() -> bool:
     return any(find_idx_dir(d) for d in search_dirs())
 
 
-@needs_cuda
-@pytest.mark.skipif(not fashion_mnist_found(), reason="Fashion-MNIST is not in any folder data/fashion_mnist.py "
-                    "searches (RESMLP_FMNIST_SEARCH, the download cache, Debian's package)")
-def test_the_trainer_runs_graphed(tmp_path, monkeypatch):
-    """Two epochs of the trainer with dino.cuda_graphs=true (loader workers with pinned
-    memory beside the capture, the last layer thawing after epoch 1): finite, one capture."""
+needs_fmnist = pytest.mark.skipif(not fashion_mnist_found(), reason="Fashion-MNIST is not in any folder "
+                                  "data/fashion_mnist.py searches (RESMLP_FMNIST_SEARCH, the download cache, Debian's "
+                                  "package)")
+
+
+def two_epochs(tmp_path, monkeypatch, short_knn, graphs: bool):
+    """Two epochs of the trainer on 256 Fashion-MNIST images (loader workers, pinned memory on
+    a GPU, the last layer thawing after epoch 1), judged by its own k-NN on a small labeled
+    folder: (the steps it built, results.json's fields, what it printed)."""
     from resmlp.ssl import step as step_module
     from resmlp.ssl import train as dino_train
     built = []
     real = step_module.build_dino_step
     monkeypatch.setattr(dino_train, "build_dino_step", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
-    monkeypatch.setattr(dino_train, "knn_report", lambda *a, **k: {"knn_top1": 50.0, "knn_top5": 90.0})
     cfg = load_config("dino", "resmlp_s12", ["demo=false", "model.dim=16", "model.depth=2", "data.subset=256",
                                              "batch_size=32", "epochs=2", "dino.out_dim=64", "dino.hidden_dim=32",
                                              "dino.bottleneck_dim=16", "dino.n_local_crops=2", "num_workers=2",
-                                             "eval_every=0", "dino.final_linear=false", "dino.cuda_graphs=true",
-                                             f"out={tmp_path}"])
+                                             "eval_every=0", "dino.final_linear=false", f"dino.cuda_graphs={graphs}",
+                                             *short_knn, f"out={tmp_path}"])
     summary = dino_train.train(cfg)[3]
+    losses = [json.loads(line).get("loss") for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(v) for v in losses if v is not None) and any(v is not None for v in losses)
+    # the final k-NN, as summarize prints it and results.json keeps it
+    assert summary["knn_k"] == 20 and summary["knn_T"] == 0.07 and 0 <= summary["knn_top1"] <= 100
+    assert json.loads((tmp_path / "results.json").read_text())["knn_k"] == 20
+    return built
+
+
+@needs_cuda
+@needs_fmnist
+def test_the_trainer_runs_graphed(tmp_path, monkeypatch, short_knn, capsys):
+    """dino.cuda_graphs=true in the trainer: finite, one capture, its k-NN reported."""
+    built = two_epochs(tmp_path, monkeypatch, short_knn, graphs=True)
     assert built[0].graphed.captures == 1 and built[0].graphed.calls == 16
-    assert summary["knn_top1"] == 50.0
+    assert "(k=20, T=0.07)" in capsys.readouterr().out
+
+
+@needs_fmnist
+def test_the_trainer_runs_to_its_summary_without_graphs(tmp_path, monkeypatch, short_knn, capsys):
+    """The graphed run's path from the loop to its summary, without the capture: on the CPU it
+    runs in CI (the graphed one only where a GPU is)."""
+    built = two_epochs(tmp_path, monkeypatch, short_knn, graphs=False)
+    assert built[0].graphed is None
+    assert "(k=20, T=0.07)" in capsys.readouterr().out

@@ -99,13 +99,45 @@ def numpy_neighbours(train, test, k):
     return np.stack([np.lexsort((np.arange(len(row)), -row))[:k] for row in sims])
 
 
+def near_tie_features(n_background=2000, m=12, ties=100, d=48, seed=5):
+    """Adversarial for a half-precision pass: each query has `ties` training features at
+    cosines 0.9 + 1e-6 x a shuffled rank (float16 resolves 5e-4 there, bfloat16 4e-3), the
+    k-th boundary among them, a block of 20 exact duplicates of one of them, and a zero
+    row and a row with huge and tiny components; the rest random."""
+    g = np.random.default_rng(seed)
+    q = g.standard_normal((m, d))
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    rows = [g.standard_normal((n_background, d))]
+    for i in range(m):
+        r = g.standard_normal((ties, d))
+        r -= (r @ q[i])[:, None] * q[i]
+        r /= np.linalg.norm(r, axis=1, keepdims=True)
+        c = 0.9 + 1e-6 * g.permutation(ties)[:, None]
+        rows.append(c * q[i] + np.sqrt(1 - c * c) * r)
+    train = np.concatenate(rows).astype(np.float32)
+    train = train[g.permutation(len(train))]
+    train[:20] = train[n_background // 2]           # duplicates: ties to the lower index
+    train[25] = 0.0
+    train[26] = np.where(np.arange(d) % 2, 1e-7, 1e3)
+    return train, q.astype(np.float32)
+
+
+def assert_exact(got, train, test, k):
+    """Same neighbours as the float64 brute force, similarities to its rounding."""
+    s, i = got
+    want_i, want_s = plain_neighbours(train, test, k)
+    assert (i.numpy() == want_i).all()
+    np.testing.assert_allclose(s.numpy(), want_s, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block", [7, 64])
-def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, block):
-    """The GPU's candidate pass: a bf16 matmul, rows reduced to block maxima before the
-    top-k, run here on the CPU (block 7: pruning on, with a ragged last block; 64: off at
-    this size). Same neighbours as the float64 brute force and the float32 pass, same
-    predictions; queries that fail the rounding check are searched again; with the bound
-    ignored the answer would be wrong."""
+def test_the_gpus_half_precision_candidate_pass_keeps_the_neighbours_exact(monkeypatch, dtype, block):
+    """The GPU's candidate pass (float16; bfloat16 also bounded), tiles reduced to block
+    maxima before the top-k, run here on the CPU (block 7: pruning on, ragged last blocks;
+    64: off at this size). Same neighbours and similarities as the float32 pass and the
+    float64 brute force, same predictions; near ties send queries to a wider second
+    search; with the rounding bound ignored the answer would be wrong."""
     g = torch.Generator().manual_seed(3)
     centers = torch.randn(30, 48, generator=g)
     xtr = centers[torch.randint(0, 30, (3001,), generator=g)] + 0.15 * torch.randn(3001, 48, generator=g)
@@ -114,31 +146,140 @@ def test_the_gpus_bf16_candidate_pass_keeps_the_neighbours_exact(monkeypatch, bl
     want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
     assert (want_i.numpy() == numpy_neighbours(xtr.numpy(), xte.numpy(), 20)).all()
     want_scores = knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu")
+    ties, queries = near_tie_features()
+    want_ties = knn_search(ties, queries, 20, backend="torch", device="cpu")
 
-    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.bfloat16)
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", dtype)
     monkeypatch.setattr(S._TorchSearch, "BLOCK", block)
     calls = []
     real = S._TorchSearch.__call__
     monkeypatch.setattr(S._TorchSearch, "__call__", lambda self, q, k: calls.append(k) or real(self, q, k))
     got_s, got_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
     assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
-    assert len(set(calls)) > 1  # some queries needed a wider second search
     assert torch.equal(knn_classify(xtr, ytr, xte, 30, k=20, backend="torch", device="cpu"), want_scores)
-    monkeypatch.setattr(S._TorchSearch, "tolerance", lambda self, d: 0.0)
-    assert not torch.equal(knn_search(xtr, xte, 20, backend="torch", device="cpu")[1], want_i)
+    calls.clear()
+    got = knn_search(ties, queries, 20, backend="torch", device="cpu")
+    assert torch.equal(got[0], want_ties[0]) and torch.equal(got[1], want_ties[1])
+    assert_exact(got, ties, queries, 20)
+    assert len(set(calls)) > 1  # the near ties needed a wider second search
+    monkeypatch.setattr(S._TorchSearch, "bound", lambda self, last, err, d: last.double())
+    assert not torch.equal(knn_search(ties, queries, 20, backend="torch", device="cpu")[1], want_ties[1])
+
+
+def bound_holds(dtype, device):
+    """`bound` of each pass value is at least the exact float64 cosine, for every pair of
+    clustered, near-tie and wide-dynamic-range features, with the matmul the pass runs on
+    `device`; and it is not loose beyond use (the worst pair's error is a good part of its
+    allowance for the half types)."""
+    g = torch.Generator().manual_seed(0)
+    d = 96
+    c = torch.randn(10, d, generator=g)
+    ties, queries = near_tie_features(n_background=300, m=4, ties=50, d=d)
+    wide = torch.randn(600, d, generator=g) * torch.logspace(-7, 0, d)[torch.randperm(d, generator=g)]
+    sets = {"clustered": (c[torch.randint(0, 10, (600,), generator=g)] + 0.05 * torch.randn(600, d, generator=g),
+                          c[torch.randint(0, 10, (50,), generator=g)] + 0.05 * torch.randn(50, d, generator=g)),
+            "near ties": (torch.from_numpy(ties), torch.from_numpy(queries)),
+            "wide range": (wide, wide[:50] + 1e-6 * torch.randn(50, d, generator=g))}
+    worst = 0.0
+    for name, (tr, te) in sets.items():
+        search = S._TorchSearch.__new__(S._TorchSearch)
+        search.dtype = dtype
+        tr, te = tr.to(device), te.to(device)
+        search.unit, err = S.unit_rows(tr, dtype, S._inverse_norms(tr))
+        search.train_err = err.max()
+        unit, err = S.unit_rows(te, dtype, S._inverse_norms(te))
+        assert (err <= torch.finfo(dtype).eps + 2.0**-21).all()               # the measured rounding
+        with S._pass_precision():
+            sims = unit @ search.unit.T
+        ref = torch.from_numpy(np.stack([plain_cosines(tr.cpu().numpy(), q) for q in te.cpu().numpy()]))
+        sims, ceiling = sims.cpu(), search.bound(sims, err.unsqueeze(1), d).cpu()
+        assert (ref <= ceiling).all(), name
+        worst = max(worst, float(((sims.double() - ref).abs() / (ceiling - sims.double())).max()))
+    if dtype != torch.float32:
+        assert worst > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_candidate_pass_rounding_bound_holds_for_every_pair(dtype):
+    bound_holds(dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_features_of_any_scale_stay_exact(monkeypatch, dtype):
+    """Rows of norm 1e-40 (subnormal floats: a unit vector float32 cannot scale to; their
+    bound is then vacuous and every query widens to the whole set), 1e-20, 1e20 and 0,
+    in the bank and among the queries: the float64 brute force's neighbours. (F.normalize's
+    eps would have made a 1e-20 row a 1e-8 vector and its neighbours wrong.)"""
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", dtype)
+    xtr, _, xte, _ = random_features(n_train=300, n_test=12, dim=16, seed=4)
+    for rows, scale in ((slice(0, 3), 1e-40), (slice(3, 6), 1e-20), (slice(6, 9), 1e20), (slice(9, 10), 0.0)):
+        xtr[rows] = xtr[rows] / np.linalg.norm(xtr[rows], axis=1, keepdims=True) * np.float32(scale)
+    xte[:3] = xtr[[1, 4, 7]]          # queries on the scaled rows
+    xte[3] = xte[3] * np.float32(1e-40)
+    for train in (xtr, xtr[3:]):      # with and without the rows float32 cannot scale
+        assert_exact(knn_search(train, xte, 20, backend="torch", device="cpu"), train, xte, 20)
+        if HAVE_FAISS:
+            assert_exact(knn_search(train, xte, 20, backend="faiss", device="cpu"), train, xte, 20)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 7), (5, 13), (64, 100), (3, 1000), (200, 3001)])
+def test_any_tile_of_the_pass_gives_the_exact_neighbours(monkeypatch, rows, cols):
+    """The pass's tiles (queries x train columns) merged into a running top-kc: tiles
+    narrower than the candidates (7, 13 columns for kc = 40), n not a multiple of the tile
+    or the block, one query per tile: the float64 brute force's neighbours every time."""
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
+    monkeypatch.setattr(S._TorchSearch, "BLOCK", 7)
+    monkeypatch.setattr(S._TorchSearch, "tile", lambda self, kc: (rows, cols))
+    train, test = near_tie_features(n_background=1000, m=6, ties=40, d=24)
+    assert_exact(knn_search(train, test, 20, backend="torch", device="cpu"), train, test, 20)
+
+
+@pytest.mark.parametrize("budget", [2**12, 2**16])
+def test_tiny_budgets_give_the_exact_neighbours(monkeypatch, budget):
+    """4 KiB and 64 KiB for the float16 pass's tiles and the re-rank: a query per tile, a
+    few candidates per re-rank tile, the same neighbours."""
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
+    train, test = near_tie_features(n_background=500, m=4, ties=40, d=24)
+    assert_exact(knn_search(train, test, 20, backend="torch", device="cpu", budget=budget), train, test, 20)
+
+
+def test_the_pass_tiles_fit_the_budget():
+    """tile(kc): 4096 queries x a multiple of the block where the budget allows (the H100
+    bench's 1.28M x 384 at 512 MiB: float16 tiles of 45k columns), fewer queries where it
+    does not, and within the budget by the tile's own count of bytes."""
+    search = S._TorchSearch.__new__(S._TorchSearch)
+    for n, size, budget, kcs in ((1_281_167, 2, S.BUDGET, (40, 160, 640, 2560, 40960)),
+                                 (60_000, 4, 2**20, (30, 120, 480, 36_000)), (12, 2, 2**20, (5,))):
+        search.unit, search.budget = torch.empty(n, 0, dtype=torch.float16 if size == 2 else torch.float32), budget
+        for kc in kcs:
+            rows, cols = search.tile(kc)
+            block = search.BLOCK
+            if cols // block > kc:
+                per_row = 4 * kc * (size + 8) + kc * block * (2 * size + 8) + cols * (size + (2 * size + 8) / block)
+                assert cols == n or cols % block == 0
+            else:
+                assert cols == n
+                per_row = 4 * kc * (size + 8) + n * (2 * size + 8)
+            assert rows == 1 or rows * per_row <= budget, (n, kc, rows, cols)
+    search.unit, search.budget = torch.empty(1_281_167, 0, dtype=torch.float16), S.BUDGET
+    assert search.tile(40) == (4096, 45120)
 
 
 @pytest.mark.cuda
 def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
-    """On the GPU (bf16 pass, block maxima, float64 re-rank there) the same neighbours and
-    similarities as the CPU's float32 pass, from CPU and from GPU tensors alike."""
+    """On the GPU (float16 pass, block maxima, float64 re-rank there) the same neighbours
+    and similarities as the CPU's float32 pass, from CPU and from GPU tensors alike, with
+    duplicates and near ties; the rounding bound holds for every pair of the GPU's own
+    float16 and bfloat16 matmuls (its tensor cores' sums and output rounding)."""
     monkeypatch.setattr(S._TorchSearch, "BLOCK", 7)
-    xtr, _, xte = tie_features()
-    want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
-    for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
-        got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
-        assert torch.equal(got_i, want_i)
-        torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+    for xtr, xte in (tie_features()[::2], near_tie_features()):
+        want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
+        for tr, te in ((xtr, xte), (torch.from_numpy(xtr).cuda(), torch.from_numpy(xte).cuda())):
+            got_s, got_i = knn_search(tr, te, 20, backend="torch", device="cuda")
+            assert torch.equal(got_i, want_i)
+            torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+    for dtype in (torch.float16, torch.bfloat16):
+        bound_holds(dtype, "cuda")
 
 
 def test_top_candidates_through_block_maxima_is_topk():
@@ -293,14 +434,21 @@ def collapsed_features(n, m, d, seed=0):
     return train, test
 
 
+def plain_cosines(train, q):
+    """float64 cosines of q with every training row (0 with a zero row, as knn_search)."""
+    tr = train.astype(np.float64)
+    norm = np.linalg.norm(tr, axis=1, keepdims=True)
+    tr = tr / np.where(norm > 0, norm, 1)
+    q = q.astype(np.float64)
+    return (tr * (q / np.linalg.norm(q))).sum(1)
+
+
 def plain_neighbours(train, test, k):
     """(indices, similarities) of the k nearest by float64 cosine, one query at a time,
     ties to the lower index."""
-    tr = train.astype(np.float64)
-    tr /= np.linalg.norm(tr, axis=1, keepdims=True)
     idx, out = [], []
-    for q in test.astype(np.float64):
-        sims = (tr * (q / np.linalg.norm(q))).sum(1)
+    for q in test:
+        sims = plain_cosines(train, q)
         idx.append(np.lexsort((np.arange(len(sims)), -sims))[:k])
         out.append(sims[idx[-1]])
     return np.stack(idx), np.stack(out)
@@ -376,6 +524,23 @@ def test_a_collapsed_network_stays_within_the_memory_budget():
         assert r["peak"] <= data + 6 * budget, (backend, r["peak"] / 2**20)
 
 
+def counting_syncs(fn, syncs: list):
+    """fn, recording in `syncs` every host sync (torch's CUDA sync debug warnings) it makes."""
+    import warnings
+
+    def wrapped(*args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(f"{fn.__name__}: {w.filename}:{w.lineno} {w.message}" for w in caught
+                             if "synchroniz" in str(w.message))
+    return wrapped
+
+
 def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, budget: int = 32 * 2**20) -> dict:
     """The GPU test's body, on `device`: clustered features at n x d through the candidate
     pass's block maxima, and collapsed ones within `budget`, both against the CPU's
@@ -390,7 +555,12 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
         (sims.shape[1] // block, k, sims.device.type)) or real(sims, k, block))
     want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
     seen.clear()
+    syncs = []
+    if torch.device(device).type == "cuda":   # the pass and the re-rank only launch work: no host sync
+        for owner, name in ((S._TorchSearch, "__call__"), (S, "_rerank")):
+            monkeypatch.setattr(owner, name, counting_syncs(getattr(owner, name), syncs))
     got_s, got_i = knn_search(xtr.to(device), xte.to(device), 20, backend="torch", device=device)
+    assert not syncs, syncs[:3]
     assert any(blocks > k and where == torch.device(device).type for blocks, k, where in seen)  # block maxima
     assert torch.equal(got_i, want_i)
     torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
@@ -411,11 +581,12 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
 
 @pytest.mark.cuda
 def test_the_gpu_search_at_scale_uses_block_maxima_and_stays_within_budget(monkeypatch):
-    """60k x 384 on the GPU: the bf16 candidate pass reduces rows to block maxima (937
-    blocks > 100 candidates) and gives the CPU's neighbours; collapsed features (every
-    query widened to the whole train set) within a 32 MiB budget: the CPU's neighbours, and
-    a peak (the allocator's own count) of the unit vectors made once (float32, then bf16),
-    the inverse norms and a few budgets."""
+    """60k x 384 on the GPU: the float16 candidate pass reduces its tiles to block maxima
+    (937 blocks > 40 candidates), makes no host sync (nor does the re-rank), and gives the
+    CPU's neighbours; collapsed features (every query widened to the whole train set)
+    within a 32 MiB budget: the CPU's neighbours, and a peak (the allocator's own count)
+    within the unit vectors (float16, made in chunks), the inverse norms and a few
+    budgets."""
     n, d, budget = 60_000, 384, 32 * 2**20
     peak = gpu_scale_check(monkeypatch, "cuda", n, d, budget)["peak"]
     assert peak <= n * d * (4 + 2) + n * 8 + 6 * budget, peak / 2**20
@@ -425,7 +596,7 @@ def test_the_gpu_scale_check_runs_on_the_cpu(monkeypatch):
     """The CUDA test's body at a size the CPU takes (its own check of the test), one
     thread: the tiles are small, and a busy machine's thread handoffs would cost more."""
     from resmlp.bench.timing import threads
-    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.bfloat16)
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
     with threads(1):
         gpu_scale_check(monkeypatch, "cpu", n=12_000, d=48, budget=2**20)
 
@@ -480,26 +651,23 @@ def test_low_shot_knn_reports_mean_and_std_over_tries_and_clips_k_once():
     assert "±" not in format_low_shot(one).splitlines()[2]     # one try: no spread to show
 
 
-def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch):
+def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch, fake_forward):
     """knn_report(few_labels=True) with knn.n_per_class: the low-shot k-NN on the features
-    its online k-NN kept (extracted once), printed as a table, returned for results.json."""
+    its online k-NN kept (extracted once), printed as a table, returned for results.json.
+    Only the network's forward passes are faked (fake_forward): online_knn and knn_report
+    compose their results as in training."""
+    from test_folder import labeled
+
     from resmlp.core.config import load_config
     from resmlp.eval import knn
     from resmlp.ssl.train import knn_report
 
-    class Images(list):
-        classes = ["a", "b", "c"]
-
-    g = torch.Generator().manual_seed(0)
-    data = {s: (torch.randn(n, 5, generator=g), torch.arange(n) % 3) for s, n in (("train", 30), ("test", 9))}
     asked = []
+    real = knn.online_knn
 
     def online_knn(*args, keep_features=False, **kwargs):
         asked.append(keep_features)
-        res = knn.knn_evaluate(*data["train"], *data["test"], 3, ks=[1, 5])
-        out = {"knn": res, "knn_top1": res[5]["top1"], "knn_top5": res[5]["top5"], "knn_k": 5, "n_train": 30,
-               "num_classes": 3}
-        return {**out, "features": data, "datasets": {"train": Images(), "test": Images()}} if keep_features else out
+        return real(*args, keep_features=keep_features, **kwargs)
 
     class FakeRun:
         is_main, device, world_size, amp_dtype = True, torch.device("cpu"), 1, None
@@ -509,16 +677,17 @@ def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch):
             self.printed.append(" ".join(map(str, args)))
 
     monkeypatch.setattr(knn, "online_knn", online_knn)
-    cfg = load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", "knn.k=5",
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", "data=imagefolder",
+                                             f"data.root={labeled(tmp_path / 'lab', per_class=6)}", "knn.k=5",
                                              "knn.n_per_class=[1,2]", "knn.tries=3"])
     run = FakeRun()
     assert "knn_low_shot" not in knn_report(run, None, cfg, "epoch 1") and asked == [False]   # periodic: no
     out = knn_report(run, None, cfg, "teacher after training", few_labels=True)
-    assert asked[-1] is True
+    assert asked[-1] is True and out["knn_k"] == 5
     few = out["knn_low_shot"]
-    assert few["tries"] == 3 and few["results"]["1"]["k"]["5"]["k_used"] == 3 and "top1_std" in few["results"]["2"]["k"]["5"]
+    assert few["tries"] == 3 and few["results"]["1"]["k"]["5"]["k_used"] == 2 and "top1_std" in few["results"]["2"]["k"]["5"]
     table = run.printed[-1]
-    assert "k-NN with few labels" in table and table.count("n=1: k=5 clipped to the bank's 3 images") == 1
+    assert "k-NN with few labels" in table and table.count("n=1: k=5 clipped to the bank's 2 images") == 1
     cfg.knn.n_per_class = None
     assert "knn_low_shot" not in knn_report(run, None, cfg, "end", few_labels=True) and asked[-1] is False
     json.dumps(out)

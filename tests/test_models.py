@@ -205,6 +205,7 @@ def test_list_models_and_timm_registry():
     (lambda: create_model('resmlp_s12', img_size=100), ['100', '16']),
     (lambda: create_model('resmlp_s12', depth='deep'), ['depth']),
     (lambda: create_model('resmlp_s12', num_classes=-1), ['num_classes']),
+    (lambda: create_model('resmlp_s12', fused='yes'), ['model.fused', 'true or false']),
 ])
 def test_bad_names_and_overrides_raise_user_error(call, words):
     with pytest.raises(UserError) as info:

@@ -1,0 +1,137 @@
+"""The fused forward of a ResMLP block (`model.fused=true`): the plain block's function and
+parameters with fewer passes over the activations. resmlp.py's FusedResMLPBlock runs it.
+
+On tokens X (B, N, D), with A, a the cross-patch weight and bias for the input's grid
+(after grid adaptation) and drop() timm's per-sample drop path:
+
+    plain:  Z = X + drop(ls1 * (A @ Aff1(X) + a))
+            Y = Z + drop(ls2 * fc2(GELU(fc1(Aff2(Z)))))
+
+    fused:  Z = X + drop(s * (A @ X) + c)          s = ls1 * alpha1               (D)
+                                                   c = ls1 * (rowsum(A) beta1 + a)  (N x D)
+            Y = Z + drop(fc2'(GELU(fc1'(Z))))      fc1' = W1 diag(alpha2), W1 beta2 + b1
+                                                   fc2' = diag(ls2) W2, ls2 * b2
+
+Aff1 acts on channels and A on tokens, so Aff1 cannot move into A; it moves through it:
+A @ (alpha * X + beta) = alpha * (A @ X) + rowsum(A) beta. The folded weights are
+recomputed from the trainable parameters on every call (products of D x 4D weights,
+nothing next to the activations), so autograd gives each parameter the gradient the plain
+block gives it, and the state dict, checkpoints and exports are the plain block's.
+With LayerNorm the normalisation stays a pass of its own and only its affine is folded.
+The cross-patch MLP and conv variants keep norm1 (an affine does not pass exactly through
+a GELU or a zero-padded conv): their LayerScale, drop path and residual add are one addcmul.
+
+GEMM epilogues, where torch has an exact one and a pass is saved:
+- The residual add: `torch.addmm(residual, h, W2'^T)` when the residual and the GEMM share
+  a dtype (no autocast), there is no drop path, the norm is the Affine and the cross-patch
+  layer linear. fc2's bias then rides on the residual written by the first half's pointwise
+  pass (c + ls2 * b2, free), and Aff2's shift takes it back off before fc1. Under autocast
+  the residual stream stays float32, as in the plain block: an addmm would round it to bf16.
+- GELU: `torch._addmm_activation(..., use_gelu=True)` is exact (erf) GELU on the CPU only:
+  on CUDA both the cuBLASLt epilogue and its fallback are the tanh approximation, and it
+  has no autograd formula. So it runs on the CPU where no gradient is needed (the teacher,
+  evaluation); elsewhere F.linear then F.gelu, which Inductor fuses into one pass.
+
+Drop path draws its masks as timm's DropPath does (one bernoulli_ per branch on a (B, 1, 1)
+tensor of the branch's dtype, in the same order), so a fused and a plain block give the
+same result from the same generator state.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import DropPath
+
+
+def _drop_prob(block: nn.Module) -> float:
+    dp = block.drop_path
+    return dp.drop_prob if isinstance(dp, DropPath) and dp.training else 0.0
+
+
+def _drop_mask(block: nn.Module, batch: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """timm's drop_path mask for a branch of `dtype` (None when it draws none): the same
+    generator call, so the same samples are dropped."""
+    p = _drop_prob(block)
+    if p == 0.0:
+        return None
+    keep = 1.0 - p
+    mask = torch.empty((batch, 1, 1), dtype=dtype, device=device).bernoulli_(keep)
+    if keep > 0.0 and block.drop_path.scale_by_keep:
+        mask.div_(keep)
+    return mask
+
+
+def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) per channel: an Affine's alpha and beta, a LayerNorm's weight and bias."""
+    if isinstance(norm, nn.LayerNorm):
+        return norm.weight, norm.bias
+    return norm.alpha, norm.beta
+
+
+def _normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What is left of the norm once its affine is folded: LayerNorm's normalisation, or nothing."""
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
+    return x
+
+
+def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)
+    if x.device.type == 'cpu' and not needs_grad:
+        out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.gelu(F.linear(x, weight, bias))
+
+
+def _cross_patch_half(block: nn.Module, x: torch.Tensor, grid, carried: Optional[torch.Tensor]) -> torch.Tensor:
+    """Z = X + drop(ls1 * cross_patch(norm1(X))), plus `carried` (D) when given (linear only)."""
+    cp, ls1 = block.cross_patch, block.ls1
+    if not hasattr(cp, 'weights_for'):  # MLP / conv variants: norm1 stays
+        y = cp(block.norm1(x), grid)
+        mask = _drop_mask(block, x.shape[0], torch.promote_types(y.dtype, ls1.dtype), x.device)
+        return torch.addcmul(x, y, ls1 if mask is None else ls1 * mask)
+    a, a_bias = cp.weights_for(grid)
+    alpha, beta = _affine_of(block.norm1)
+    p = torch.matmul(a, _normalize(block.norm1, x))
+    # elementwise products, not torch.outer: autocast would round these to bf16
+    c = a.sum(dim=1, keepdim=True) * (ls1 * beta) + a_bias.unsqueeze(1) * ls1
+    if carried is not None:
+        c = c + carried
+    t = torch.addcmul(c, p, ls1 * alpha)
+    mask = _drop_mask(block, x.shape[0], torch.promote_types(p.dtype, ls1.dtype), x.device)
+    return x + t if mask is None else torch.addcmul(x, t, mask)
+
+
+def fused_block_forward(block: nn.Module, x: torch.Tensor, grid) -> torch.Tensor:
+    """ResMLPBlock.forward's result from the block's own parameters, folded (module docstring)."""
+    fc1, fc2, ls2 = block.mlp.fc1, block.mlp.fc2, block.ls2
+    alpha2, beta2 = _affine_of(block.norm2)
+    w2, b2 = fc2.weight * ls2.unsqueeze(1), fc2.bias * ls2
+    carry = (_drop_prob(block) == 0.0 and not torch.is_autocast_enabled(x.device.type)
+             and not isinstance(block.norm2, nn.LayerNorm) and hasattr(block.cross_patch, 'weights_for'))
+    z = x if block.cross_patch is None else _cross_patch_half(block, x, grid, b2 if carry else None)
+    if carry:  # z holds Z + b2: Aff2(Z) = alpha2 * z + (beta2 - alpha2 * b2)
+        beta2 = beta2 - alpha2 * b2
+    w1 = fc1.weight * alpha2
+    b1 = fc1.bias + (fc1.weight * beta2).sum(dim=1)
+    h = _linear_gelu(_normalize(block.norm2, z), w1, b1)
+    if carry:
+        return torch.addmm(z.reshape(-1, z.shape[-1]), h.reshape(-1, h.shape[-1]), w2.t()).view_as(z)
+    g = F.linear(h, w2, b2)
+    mask = _drop_mask(block, x.shape[0], torch.promote_types(g.dtype, ls2.dtype), x.device)
+    return z + g if mask is None else torch.addcmul(z, g, mask)
+
+
+def describe(block: nn.Module) -> str:
+    """What the fused forward folds in this block (its repr)."""
+    ln = isinstance(block.norm2, nn.LayerNorm)
+    aff1, aff2 = ("norm1's affine", "norm2's affine") if ln else ('Aff1', 'Aff2')
+    parts = [f'{aff2} -> fc1', 'ls2 -> fc2']
+    if hasattr(block.cross_patch, 'weights_for'):
+        parts.append(f'{aff1} + ls1 through the cross-patch linear')
+    elif block.cross_patch is not None:
+        parts.append('norm1 kept, ls1 + residual in one addcmul')
+    return 'fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
