@@ -313,7 +313,6 @@ def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False, f
             extra["captures"] = step.graphed.captures
         if "flops" not in flops and not fused:  # counted once, on the eager modules, never through a graph
             step.graphed = None
-            step.forward_student = step.forward_teacher = None
             flops["flops"] = _count_flops(cfg, dev, p.precision, crops, step)
     finally:
         step = None  # free the step's memory before the next line builds its own

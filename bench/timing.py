@@ -124,8 +124,11 @@ def matmul_rate(device: torch.device, size: int, dtype: torch.dtype, repeats: in
 
 def count_flops(fn) -> int:
     """FLOPs (2 per multiply-add) of the matmuls and convolutions fn() runs, forward and
-    backward, as torch.utils.flop_counter counts them."""
+    backward, as torch.utils.flop_counter counts them: on the eager code of any compiled
+    module (the counter sees each op there, and nothing compiles for it)."""
     from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as counter:
+
+    from resmlp.core.compiling import uncompiled
+    with uncompiled(), FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())

@@ -424,7 +424,9 @@ class Cadence:
     """When a training loop logs, checkpoints and evaluates, and the reads of its device
     tally in between: one schedule for every trainer.
 
-    log lines every cfg.log_every iterations and at the last one; extra checkpoints every
+    log lines after the run's first iteration (as DINO's and timm's loops log their first:
+    the run shows it trains as soon as its step is compiled), every cfg.log_every
+    iterations and at the last one; extra checkpoints every
     cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
     epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
@@ -465,7 +467,7 @@ class Cadence:
         self.clock_from, self.paused, self.images = time.time(), 0.0, 0
 
     def log_due(self, it: int) -> bool:
-        return it % self.log_every == 0 or it == self.total
+        return it % self.log_every == 0 or it == self.total or it == 1
 
     def checkpoint_due(self, it: int) -> bool:
         """A mid-epoch checkpoint (epoch ends always save)."""

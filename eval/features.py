@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from resmlp.core import dist
 from resmlp.core.checkpoint import atomic_write
+from resmlp.core.compiling import uncompiled
 from resmlp.core.errors import UserError
 
 CACHE_VERSION = 1
@@ -114,7 +115,9 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
     for batch in batches:
         x, y = batch[0], batch[1]
         x = x.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+        # a model the trainer compiled runs eager here: an extraction's batch sizes (its last,
+        # partial one) would each cost a compilation, for one pass over the data
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp), uncompiled():
             try:
                 f = forward_features(model, x, n_last_blocks)
             except (RuntimeError, ValueError) as e:

@@ -101,7 +101,9 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         grid = self.grid_for(x.shape[-2], x.shape[-1])
-        return self.proj(x).flatten(2).transpose(1, 2), grid
+        # contiguous: every block then gets tokens of one memory layout, so one compiled
+        # block serves the whole depth (core/compiling.py; a layout is part of its guards)
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous(), grid
 
 
 class ChannelMLP(nn.Module):

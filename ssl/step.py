@@ -45,8 +45,6 @@ class DinoStep:
     clip_grad: float = 3.0
     autocast: object = contextlib.nullcontext
     koleo_weight: float = 0.0   # DINOv2's KoLeo on the student's pooled global-crop features
-    forward_student: object = None   # torch.compile'd versions, when compiling
-    forward_teacher: object = None
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
     graphed: object = None           # ssl.graphs.GraphedStep, with dino.cuda_graphs
     head_warmup_epochs: int = 0      # dino.init: epochs of the head alone on the frozen backbone
@@ -90,13 +88,11 @@ class DinoStep:
         tally sums: the targets' health and the KoLeo term). teacher_temp: a float, or a
         0-dim tensor on the device (the graphed step's)."""
         with self.autocast():
-            teacher = self.teacher if self.forward_teacher is None else self.forward_teacher
-            student = self.student if self.forward_student is None else self.forward_student
-            t_out = teacher(crops[:2])
+            t_out = self.teacher(crops[:2])
             if self.koleo_weight:
-                s_out, s_features = student(crops, global_features=True)
+                s_out, s_features = self.student(crops, global_features=True)
             else:
-                s_out = student(crops)
+                s_out = self.student(crops)
         # The head's last layer already ran in fp32 (head.head_forward); so does the
         # loss: a softmax over tens of thousands of prototypes is not for bf16.
         center = self.loss_fn.center.detach().clone()
@@ -131,8 +127,6 @@ class DinoStep:
         self.backbone_frozen = frozen
         if self.ddp is not None:
             self.student = torch.nn.parallel.DistributedDataParallel(self.raw_student, **self.ddp)
-            if self.forward_student is not None:
-                self.forward_student = torch.compile(self.student)
 
 
 def build_optimizer(model: nn.Module, device: torch.device, capturable: bool = False,
@@ -159,6 +153,7 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
     and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies). `start`
     (ssl.init.Start): the weights dino.init gives, the head warm-up and the backbone's
     learning-rate scale."""
+    from resmlp.core.compiling import compile_regions
     from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
@@ -178,8 +173,9 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
         trained = torch.nn.parallel.DistributedDataParallel(student, **ddp)
     step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast,
                     koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup, ddp=ddp)
-    if cfg.compile:
-        step.forward_student, step.forward_teacher = torch.compile(trained), torch.compile(teacher)
+    if cfg.compile:  # each network's blocks, in place (core/compiling.py)
+        compile_regions(student)
+        compile_regions(teacher)
     if graphs:
         step.graphed = GraphedStep(step)
     return step

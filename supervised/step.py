@@ -1,7 +1,7 @@
 """One supervised optimization step, built once by `build_supervised_step` (as DINO's is by
 resmlp.ssl.step.build_dino_step):
 
-    mixup / cutmix -> model (compiled when cfg.compile) -> loss (fp32; with distillation, the
+    mixup / cutmix -> model (its blocks compiled when cfg.compile) -> loss (fp32; with distillation, the
     frozen teacher's logits too) -> backward -> global-norm clipping -> optimizer -> model EMA
 
 The step never waits for the device: the loss accumulates on the device
@@ -23,6 +23,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 
+from resmlp.core.compiling import compile_regions
 from resmlp.core.engine import DeviceTally
 from resmlp.core.errors import UserError
 from resmlp.core.optim import no_weight_decay, param_groups
@@ -42,7 +43,6 @@ class SupervisedStep:
     ema: ModelEmaV3 | None = None
     clip_grad: float = 0.0
     autocast: object = contextlib.nullcontext
-    forward: object = None           # torch.compile'd model, when compiling
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, lr: float, it: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ class SupervisedStep:
         if self.mixup is not None:
             images, targets = self.mixup(images, labels)
         with self.autocast():
-            logits = (self.forward or self.model)(images)
+            logits = self.model(images)
         if self.teacher is not None:
             with torch.no_grad(), self.autocast():
                 t_logits = self.teacher(images)
@@ -147,5 +147,7 @@ def build_supervised_step(cfg, model: nn.Module, teacher: nn.Module | None, n_cl
     trained = model
     if run.world_size > 1:
         trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:  # its blocks, in place (core/compiling.py); the EMA above is an eager copy
+        compile_regions(model)
     return SupervisedStep(trained, model, criterion, optimizer, run.scaler, mixup, teacher, cfg.get("distill"), ema,
-                          float(o.clip_grad), run.autocast, torch.compile(trained) if cfg.compile else None)
+                          float(o.clip_grad), run.autocast)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from timm.data import create_transform
 
 from resmlp.core import dist
+from resmlp.core.compiling import uncompiled
 from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import scaled_lr
@@ -126,7 +127,7 @@ def evaluate(model: nn.Module, loader, device, autocast) -> dict:
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # top-1 hits, top-5 hits, images
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with autocast():
+        with autocast(), uncompiled():  # compile=true compiles the training step only
             logits = model(images)
         k = min(5, logits.shape[-1])
         top = logits.float().topk(k, dim=-1).indices

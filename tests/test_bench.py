@@ -138,7 +138,11 @@ def test_the_fused_knob_crosses_every_line_of_ours(monkeypatch):
 def test_compiled_step_equals_eager():
     """torch.compile (what the trainer and bench run on a GPU; inductor on the CPU here)
     gives the same two steps as eager: loss, center, teacher; subgrid exercises the grid
-    adaptation of the cross-patch weights inside the compiled graph."""
+    adaptation of the cross-patch weights inside the compiled graph. Compiled as the
+    trainer compiles (core/compiling.py): one block, reused across the depth, once per kind
+    of call (3 graphs: the whole networks would be 2, the blocks one by one 3 x depth),
+    the networks keeping their state_dict keys."""
+    from torch._dynamo.utils import counters
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     cfg = R.dino_config(tiny_profile(), "resmlp_s12", "subgrid", ["model.drop_path_rate=0.0"])
@@ -147,12 +151,17 @@ def test_compiled_step_equals_eager():
     steps[True].student.load_state_dict(steps[False].student.state_dict())
     steps[True].teacher.load_state_dict(steps[False].teacher.state_dict())
     crops = R.synthetic_crops(plan, 4, cpu)
+    torch._dynamo.reset()
+    counters.clear()
     try:
         for _ in range(2):  # the second step sees the first one's optimizer state and EMA
             losses = {c: R.call_step(step, [x.clone() for x in crops]) for c, step in steps.items()}
             assert torch.allclose(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] == 3 and cfg.model.depth == 2
     finally:
         torch._dynamo.reset()
+    for net in ("student", "teacher"):
+        assert list(getattr(steps[True], net).state_dict()) == list(getattr(steps[False], net).state_dict())
     assert torch.allclose(steps[True].loss_fn.center, steps[False].loss_fn.center, atol=1e-5)
     eager = steps[False].teacher.state_dict()
     for key, value in steps[True].teacher.state_dict().items():
@@ -213,3 +222,22 @@ def test_lines_needing_an_absent_package_are_skipped(monkeypatch):
     ctx.attempt("knn", {"backend": "faiss-cpu"}, lambda: R._knn_one(ctx, "faiss-cpu", data))
     ctx.attempt("knn", {"backend": "torch"}, lambda: R._knn_one(ctx, "torch", data))
     assert [r["status"] for r in ctx.results] == ["skipped", "skipped", "ok"]
+
+
+def test_compile_cost_times_each_mode_in_a_fresh_process(tmp_path, capsys):
+    """bench/compile_cost.py's plumbing (the eager mode: compiling is what costs minutes
+    here; tests/test_compiling.py checks what compile=true compiles), and its one-line
+    refusal of an unknown mode."""
+    from resmlp.bench import compile_cost
+    tiny = ["model.dim=16", "model.depth=2", "batch_size=2", "dino.out_dim=64", "dino.hidden_dim=32",
+            "dino.bottleneck_dim=16", "device=cpu"]
+    out = tmp_path / "cost.json"
+    assert compile_cost.main([*tiny, "--modes", "eager", "--steps", "2", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["mode"] == "eager" and r["graphs"] == 0 and r["batch"] == 2 and r["crops"] == "2x32+8x16"
+    assert len(r["seconds"]) == 3 and all(s > 0 for s in r["seconds"])
+    assert compile_cost.main([*tiny, "--modes", "eager", "--interleave", "2", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())) == ["eager"] and len(json.loads(out.read_text())["eager"]) == 2
+    assert compile_cost.main(["--modes", "eager,fast"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["compile_cost: --modes fast is not one of eager, whole, regional"]
