@@ -95,8 +95,10 @@ def unbroken():
 
 
 def requested() -> bool:
-    """Whether this process received a stop signal (no communication)."""
-    return bool(_received)
+    """Whether this process received a stop signal within the watch() block it is in (no
+    communication). Outside one nothing is watched: a signal noted by an earlier block (its
+    run has ended; received() still names it for the exit code) must not stop a later run."""
+    return bool(_received) and _depth[0] > 0
 
 
 def received() -> str | None:

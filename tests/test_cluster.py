@@ -257,6 +257,8 @@ def test_a_first_ctrl_c_is_noted_and_a_second_stops_at_once(monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # the block has ended: its Ctrl-C names the exit code but stops no later run outside a block
+    assert preempt.received() == "SIGINT" and not preempt.requested()
 
 
 @needs_fmnist
