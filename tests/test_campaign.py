@@ -593,10 +593,10 @@ def test_a_stop_at_an_epochs_last_iteration_still_evaluates_that_epoch(tmp_path,
 
     def signal_at_epoch_end(self, it):
         if it == self.ipe:
-            monkeypatch.setattr(preempt, "_received", [15])  # SIGTERM, noted as the handler would
+            signal.raise_signal(signal.SIGTERM)  # what a scheduler sends; preempt's handler notes it
         real(self, it)
     monkeypatch.setattr(engine.Cadence, "after_iteration", signal_at_epoch_end)
-    with pytest.raises(Preempted, match="after iteration 3 of 6"):
+    with preempt.watch(), pytest.raises(Preempted, match="after iteration 3 of 6"):  # watch: as the CLI runs it
         train(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if "knn_top1" in r] == [0, 1]
