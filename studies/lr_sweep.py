@@ -182,12 +182,17 @@ def points(out: Path) -> dict[str, list[dict]]:
     return found
 
 
-def _fmt(v) -> str:
+DIGITS = {"KL lowest": 3, "wall s": 0, "load": 1}  # every other float: 2 decimals, or 3 significant under 0.1
+
+
+def _fmt(v, col: str = "") -> str:
     if v is None:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
+        if col in DIGITS:
+            return f"{v:.{DIGITS[col]}f}"
         return f"{v:.3g}" if abs(v) < 0.1 else f"{v:.2f}"
     return str(v)
 
@@ -199,7 +204,7 @@ def markdown(found: dict[str, list[dict]]) -> str:
     for recipe, rows in found.items():
         out += [f"### {recipe}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:
-            cells = [_fmt(r[c]) for c in cols]
+            cells = [_fmt(r[c], c) for c in cols]
             if not r["finished"]:
                 cells[cols.index("k-NN")] = "(running)"
             if r["resumed"]:
