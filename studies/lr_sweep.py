@@ -142,6 +142,19 @@ def run_point(recipe: str, lr: float, overrides: list[str], out: Path) -> int:
 
 # ---------------------------------------------------------------------------- the table
 
+def lr_sums(cfg, ipe: int):
+    """Σ lr after each epoch (index e: the sum of the per-iteration rates of epochs 1..e), from
+    the trainer's own schedule (ssl/train.py: the linear rule, warm-up, cosine): the distance
+    AdamW's steps can go, which a rate and a length trade against each other."""
+    import numpy as np
+
+    from resmlp.core.optim import scaled_lr
+    from resmlp.core.schedules import cosine_schedule
+    o = cfg.optim
+    lr = cosine_schedule(scaled_lr(o, cfg.batch_size), o.min_lr, cfg.epochs, ipe, o.warmup_epochs)
+    return np.concatenate([[0.0], np.cumsum(lr)[ipe - 1::ipe]])
+
+
 def read_point(run: Path) -> dict | None:
     """What the table shows of one run dir (None: no run there yet)."""
     from omegaconf import OmegaConf
@@ -162,10 +175,13 @@ def read_point(run: Path) -> dict | None:
     extra = beside(run, ".json")
     rec = json.loads(extra.read_text()) if extra.exists() else {}
     scaled = float(cfg.optim.lr) * int(cfg.batch_size) / float(cfg.optim.lr_batch)
+    ipe = next((round(r["iteration"] / r["epoch"]) for r in rows if r.get("iteration") and r.get("epoch")), None)
+    sums = lr_sums(cfg, ipe) if ipe else None
     return {"point": run.name, "lr": float(cfg.optim.lr), "peak lr": scaled, "warm-up": cfg.optim.warmup_epochs,
             "batch": int(cfg.batch_size), "seed": int(cfg.seed), "epochs": int(cfg.epochs),
             "init": curve.get(0), "k-NN": res.get("knn_top1"), "linear": res.get("linear_top1"),
-            "curve": curve, "KL lowest": min((kl for _, kl in kls), default=None),
+            "curve": curve, "Σlr": {e: float(sums[e]) for e in curve} if sums is not None else {},
+            "Σlr end": float(sums[-1]) if sums is not None else None, "KL lowest": min((kl for _, kl in kls), default=None),
             "watch": ("-" if not kls else f"warned at {warned}" if warned is not None else "no"),
             "threshold": collapse_kl(cfg.dino), "wall s": res.get("wall_time_s"),
             "resumed": len((res.get("timing") or {}).get("starts", [])) > 1, "load": rec.get("load_mean"),
@@ -182,7 +198,7 @@ def points(out: Path) -> dict[str, list[dict]]:
     return found
 
 
-DIGITS = {"KL lowest": 3, "wall s": 0, "load": 1}  # every other float: 2 decimals, or 3 significant under 0.1
+DIGITS = {"KL lowest": 3, "wall s": 0, "load": 1, "Σlr end": 3}  # every other float: 2 decimals, or 3 significant under 0.1
 
 
 def _fmt(v, col: str = "") -> str:
@@ -191,6 +207,8 @@ def _fmt(v, col: str = "") -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
+        if col in ("lr", "peak lr"):
+            return f"{v:g}"
         if col in DIGITS:
             return f"{v:.{DIGITS[col]}f}"
         return f"{v:.3g}" if abs(v) < 0.1 else f"{v:.2f}"
@@ -198,7 +216,7 @@ def _fmt(v, col: str = "") -> str:
 
 
 def markdown(found: dict[str, list[dict]]) -> str:
-    cols = ["point", "lr", "peak lr", "warm-up", "batch", "seed", "epochs", "init", "k-NN", "linear", "KL lowest",
+    cols = ["point", "lr", "peak lr", "warm-up", "batch", "seed", "epochs", "Σlr end", "init", "k-NN", "linear", "KL lowest",
             "watch", "wall s", "load"]
     out = []
     for recipe, rows in found.items():
@@ -219,12 +237,26 @@ def markdown(found: dict[str, list[dict]]) -> str:
 
 
 def figure(found: dict[str, list[dict]], path: Path) -> None:
-    """Left: final k-NN against the rate per 256 images (seed 0 at each recipe's base warm-up
-    and batch: filled; other points: hollow). Then one panel per recipe: k-NN per epoch."""
+    """First: final k-NN against the rate per 256 images (seed 0 at each recipe's base warm-up
+    and batch: filled; other points: hollow). Second: the k-NN of every epoch of every point
+    against Σ lr so far (the end of each run: a larger marker). Then one panel per recipe:
+    k-NN per epoch."""
     from resmlp.eval.figure import new_figure
     n = len(found)
-    fig = new_figure(4.2 * (n + 1), 3.6)
-    axes = fig.subplots(1, n + 1, squeeze=False)[0]
+    fig = new_figure(4.2 * (n + 2), 3.6)
+    axes = fig.subplots(1, n + 2, squeeze=False)[0]
+    ax = axes[1]
+    for i, (recipe, rows) in enumerate(found.items()):
+        for r in rows:
+            es = [e for e in sorted(r["curve"]) if e in r["Σlr"] and e > 0]
+            ax.plot([r["Σlr"][e] for e in es], [r["curve"][e] for e in es], ".-", color=f"C{i}", alpha=0.5, lw=0.8,
+                    label=recipe if r is rows[0] else None)
+            if r["finished"] and es:
+                ax.plot([r["Σlr"][es[-1]]], [r["curve"][es[-1]]], "o", color=f"C{i}")
+    ax.set_xscale("log")
+    ax.set(xlabel="Σ lr so far (per-iteration rates summed)", ylabel="k-NN top-1", title="k-NN against Σ lr")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     ax = axes[0]
     for i, (recipe, rows) in enumerate(found.items()):
         color = f"C{i}"
@@ -237,7 +269,7 @@ def figure(found: dict[str, list[dict]], path: Path) -> None:
     ax.set(xlabel="optim.lr (per 256 images)", ylabel="final k-NN top-1", title="k-NN against the rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    for ax, (recipe, rows) in zip(axes[1:], found.items()):
+    for ax, (recipe, rows) in zip(axes[2:], found.items()):
         base = [r for r in rows if _is_base(recipe, r)]
         for j, r in enumerate(base):
             es = sorted(r["curve"])
