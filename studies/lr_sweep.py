@@ -2,6 +2,7 @@
 
     python studies/lr_sweep.py run RECIPE [--lr A,B,...] [--out DIR] [key=value ...]
     python studies/lr_sweep.py table [--out DIR] [--figure PNG]
+    python studies/lr_sweep.py preset [--lr 0.0005] [--epochs 45] [--warmup 10] [--eval-every 10]
 
 `run` trains one point per rate of the list (default: the recipe's grid), each the
 project's own command, `bash run.sh dino resmlp_s12 <the recipe's keys> optim.lr=<rate>
@@ -289,6 +290,52 @@ def _is_base(recipe: str, r: dict) -> bool:
             and int(keys.get("batch_size", 64)) == r["batch"] and int(keys.get("epochs", 8)) == r["epochs"])
 
 
+# ---------------------------------------------------------------------------- the preset's budget
+
+# The preset on one H100, compiled, checkpoints every 10 epochs (the GPU campaign's command),
+# read off its 2026-11-26 log (issue 34; ../shared/bench-h100-2026-11-26/preset_log.jsonl): the
+# first log line (iteration 50) at 87.6 s, which holds start-up, the k-NN at init and the
+# compilation; 1100 iterations from 182.0 s to 268.7 s; 95.2 s from the k-NN of epoch 10 to
+# that of epoch 20 (1170 iterations, one k-NN and one checkpoint).
+H100_FIRST_LINE_S, H100_FIRST_LINE_IT = 87.6, 50
+H100_S_PER_IT = (268.7 - 182.0) / 1100
+H100_EVAL_S = 95.2 - 1170 * H100_S_PER_IT        # a periodic k-NN and a checkpoint
+FINAL_S = 15.0  # the final k-NN (~3 s, as the periodic ones) and linear probe: not measured, an allowance
+PRESET_IPE = 60000 // 512
+
+
+def preset_seconds(epochs: int, eval_every: int = 10) -> float:
+    """The preset's wall time on one H100 at the 2026-11-26 rates, compilation and the final
+    k-NN and linear probe included: what the budget of one call (9 minutes) is checked against."""
+    periodic = len([e for e in range(eval_every, epochs, eval_every)]) if eval_every else 0
+    return (H100_FIRST_LINE_S + (epochs * PRESET_IPE - H100_FIRST_LINE_IT) * H100_S_PER_IT
+            + periodic * H100_EVAL_S + FINAL_S)
+
+
+def preset_report(lr: float, epochs: int, warmup: float, eval_every: int, budget_s: float = 540.0) -> str:
+    from omegaconf import OmegaConf
+    lines = [f"the preset on one H100 at the 2026-11-26 rates ({H100_S_PER_IT * 1000:.2f} ms per iteration of "
+             f"{PRESET_IPE} per epoch, {H100_FIRST_LINE_S} s to iteration {H100_FIRST_LINE_IT}, {H100_EVAL_S:.2f} s "
+             f"per periodic k-NN and checkpoint, {FINAL_S:g} s allowed for the final k-NN and linear probe), "
+             f"eval_every={eval_every}:"]
+    fits = [e for e in range(30, 61) if preset_seconds(e, eval_every) <= budget_s]
+    for e in sorted({*range(40, 51), epochs}):
+        t = preset_seconds(e, eval_every)
+        lines.append(f"  {e} epochs: {t:.1f} s ({t / 60:.2f} min){'' if t <= budget_s else '  over ' + str(budget_s) + ' s'}")
+    lines.append(f"the most epochs within {budget_s:g} s: {max(fits) if fits else None}")
+
+    def sums(lr_, epochs_, warmup_):
+        cfg = OmegaConf.create({"batch_size": 512, "epochs": epochs_, "optim": {"lr": lr_, "lr_batch": 256,
+                                "min_lr": 1e-6, "warmup_epochs": warmup_}})
+        return lr_sums(cfg, PRESET_IPE)
+    now, new = sums(0.0005, 100, 10), sums(lr, epochs, warmup)
+    at = int((now <= new[-1]).sum()) - 1
+    lines.append(f"Σ lr of optim.lr={lr:g} epochs={epochs} optim.warmup_epochs={warmup:g}: {new[-1]:.3f}; the measured "
+                 f"schedule (0.0005, 100 epochs, warm-up 10) has it after epoch {at} (its Σ lr at 10, 20, 100: "
+                 f"{now[10]:.3f}, {now[20]:.3f}, {now[100]:.3f})")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- the command line
 
 def _option(args: list[str], name: str, default):
@@ -328,6 +375,10 @@ def main(argv: list[str]) -> int:
         path = Path(_option(args, "--figure", FIGURE))
         figure(found, path)
         print(f"figure: {path}")
+        return 0
+    if args[:1] == ["preset"]:
+        print(preset_report(float(_option(args, "--lr", 0.0005)), int(_option(args, "--epochs", 45)),
+                            float(_option(args, "--warmup", 10)), int(_option(args, "--eval-every", 10))))
         return 0
     sys.exit(__doc__)
 
