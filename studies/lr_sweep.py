@@ -238,14 +238,26 @@ def markdown(found: dict[str, list[dict]]) -> str:
 
 
 def figure(found: dict[str, list[dict]], path: Path) -> None:
-    """First: final k-NN against the rate per 256 images (seed 0 at each recipe's base warm-up
-    and batch: filled; other points: hollow). Second: the k-NN of every epoch of every point
-    against Σ lr so far (the end of each run: a larger marker). Then one panel per recipe:
-    k-NN per epoch."""
+    """Top: the final k-NN against the rate per 256 images (seed 0 at each recipe's own warm-up
+    and batch: filled; other points: hollow); the k-NN of every epoch of every point against
+    Σ lr so far (the end of each run: a larger marker); the final linear probe against the rate.
+    Below, one panel per recipe: the k-NN per epoch of its rate grid."""
     from resmlp.eval.figure import new_figure
-    n = len(found)
-    fig = new_figure(4.2 * (n + 2), 3.6)
-    axes = fig.subplots(1, n + 2, squeeze=False)[0]
+    n = max(len(found), 2)
+    fig = new_figure(4.6 * n, 7.6)
+    grid = fig.subplots(2, n, squeeze=False)
+    axes = [grid[0][0], grid[0][1], *grid[1]]
+    for ax in grid[0][3:]:
+        ax.set_axis_off()
+    if n > 2:  # the linear probe beside the k-NN
+        ax = grid[0][2]
+        for i, (recipe, rows) in enumerate(found.items()):
+            base = [r for r in rows if r["finished"] and _is_base(recipe, r) and r["linear"] is not None]
+            ax.plot([r["lr"] for r in base], [r["linear"] for r in base], "s-", color=f"C{i}", label=recipe)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="optim.lr (per 256 images)", ylabel="final linear top-1", title="linear probe against the rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     ax = axes[1]
     for i, (recipe, rows) in enumerate(found.items()):
         for r in rows:
