@@ -345,7 +345,48 @@ def preset_report(lr: float, epochs: int, warmup: float, eval_every: int, budget
     lines.append(f"Σ lr of optim.lr={lr:g} epochs={epochs} optim.warmup_epochs={warmup:g}: {new[-1]:.3f}; the measured "
                  f"schedule (0.0005, 100 epochs, warm-up 10) has it after epoch {at} (its Σ lr at 10, 20, 100: "
                  f"{now[10]:.3f}, {now[20]:.3f}, {now[100]:.3f})")
+    curve = h100_curve()
+    if curve:
+        fits = extrapolate(curve, epochs)
+        lines.append(f"the measured k-NN at optim.lr=0.0005 ({H100_CURVE.relative_to(ROOT)}): " +
+                     ", ".join(f"{k:.2f} at {e:g}" for e, k in sorted(curve.items())))
+        lines.append(f"extrapolated to epoch {epochs} of that schedule, fitted on epochs >= {FIT_FROM}: " +
+                     "; ".join(f"{name} {v:.2f} (asymptote {a:.2f})" for name, (v, a) in fits.items()))
     return "\n".join(lines)
+
+
+H100_CURVE = ROOT / "docs" / "bench" / "h100-2026-11-23" / "preset_log.jsonl"
+FIT_FROM = 8  # the warm-up's last epochs on: before them the rate is still rising
+
+
+def h100_curve(path: Path = H100_CURVE) -> dict[float, float]:
+    """The preset's k-NN per epoch on the H100 (2026-11-23, eval_every=2, 100-epoch schedule)."""
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {float(r["epoch"]): r["knn_top1"] for r in rows if "knn_top1" in r}
+
+
+def extrapolate(curve: dict[float, float], epoch: float) -> dict[str, tuple[float, float]]:
+    """Two ways to carry a rising curve past its last point, fitted by least squares on the
+    epochs from FIT_FROM: a - b exp(-t / tau) (saturates fast) and a - b t^-c (saturates slowly).
+    Returns {name: (value at `epoch`, asymptote a)}; the truth is expected between them."""
+    import numpy as np
+    t = np.array([e for e in sorted(curve) if e >= FIT_FROM])
+    y = np.array([curve[e] for e in t])
+    out = {}
+    for name, shape, grid in (("exponential", lambda t, p: np.exp(-t / p), np.linspace(1, 100, 3961)),
+                              ("power law", lambda t, p: t ** -p, np.linspace(0.05, 5, 3961))):
+        best = None
+        for p in grid:  # a and b by linear least squares for each shape parameter
+            X = np.stack([np.ones_like(t), -shape(t, p)], 1)
+            (a, b), *_ = np.linalg.lstsq(X, y, rcond=None)
+            err = float(((X @ np.array([a, b]) - y) ** 2).sum())
+            if best is None or err < best[0]:
+                best = (err, a, b, p)
+        _, a, b, p = best
+        out[name] = (float(a - b * shape(np.array(float(epoch)), p)), float(a))
+    return out
 
 
 # ---------------------------------------------------------------------------- the command line
