@@ -50,3 +50,34 @@ def test_spectrum_without_a_checkpoint_is_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "studies" / "dino_learning_spectrum.py"),
                            str(tmp_path / "nothing")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@needs_fmnist
+def test_lr_sweep_runs_points_once_then_tables_them(tmp_path):
+    tiny = [o for o in TINY if not o.startswith("eval_every=")]
+    out = _study("lr_sweep.py", "run", "published", "--lr", "0.002,0.004", "--out", str(tmp_path), *tiny)
+    assert out.count("bash run.sh dino resmlp_s12 ") == 2
+    points = sorted(p.name for p in (tmp_path / "published").iterdir() if p.is_dir())
+    assert points == ["lr0.002_b32_e1_w1", "lr0.004_b32_e1_w1"]  # the rate, and the tiny run's batch, epochs, warm-up
+    for point in points:
+        assert (tmp_path / "published" / point / "results.json").exists()
+        record = json.loads((tmp_path / "published" / f"{point}.json").read_text())
+        assert record["rc"] == 0 and "dino.centering=mean" in record["command"]
+    again = _study("lr_sweep.py", "run", "published", "--lr", "0.002", "--out", str(tmp_path), *tiny)
+    assert "finished, not run again" in again and "bash run.sh" not in again
+    figure = tmp_path / "sweep.png"
+    table = _study("lr_sweep.py", "table", "--out", str(tmp_path), "--figure", str(figure))
+    rows = [line for line in table.splitlines() if line.startswith("| lr0.00")]
+    assert len(rows) == 4  # each point in the main table and in the k-NN per epoch
+    assert figure.stat().st_size > 0
+    assert "| point | 0 | 1 |" in table  # the k-NN at init and after the one epoch
+
+
+def test_lr_sweep_refuses_a_point_that_holds_another_command(tmp_path):
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "lr0.002.json").write_text(json.dumps({"command": "bash run.sh dino something else"}))
+    proc = subprocess.run([sys.executable, str(ROOT / "studies" / "lr_sweep.py"), "run", "demo", "--lr", "0.002",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "holds a run of another command" in proc.stderr
+    assert not (tmp_path / "demo" / "lr0.002").exists()
