@@ -291,14 +291,15 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
     # min(570 - 6, 840 - 88 - 40 - 20 - 6) - 30 = 534 s
     clock.now = first.started + 88
     assert first.next_call_s() == pytest.approx(534)
-    record = first.calls[-1]
-    preset = first.by_name["preset"]  # 100 epochs at the 2026-11-26 rates: about 1077 s
-    assert first.run_stage(preset, record) is True and record["not_started"][-1]["verdict"] == "window"
+    # the preset as configured (40 epochs): 15 + 88 + 40 x 59904 / 6600 + 3 x 4 + 30 = 508 s, the next call has it
+    assert first.run_stage(first.by_name["preset"], first.calls[-1]) is False
+    assert first.calls[-1]["not_started"][-1]["verdict"] == "next_call"
+    longer = campaign(tmp_path / "e", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=100]")
+    clock.now = longer.started + 88
+    record = longer.calls[-1]
+    preset = longer.by_name["preset"]  # 100 epochs at the 2026-11-26 rates: about 1077 s, no call holds it
+    assert longer.run_stage(preset, record) is True and record["not_started"][-1]["verdict"] == "window"
     assert preset.status == "pending" and preset.note.startswith("not started in call 1: needs 1077 s")
-    shorter = campaign(tmp_path / "e", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=40]")
-    clock.now = shorter.started + 88  # 15 + 88 + 40 x 59904 / 6600 + 3 x 4 + 30 = 508 s: the next call has it
-    assert shorter.run_stage(shorter.by_name["preset"], shorter.calls[-1]) is False
-    assert shorter.calls[-1]["not_started"][-1]["verdict"] == "next_call"
     short = campaign(tmp_path / "f", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=30]")
     clock.now = short.started + 88  # 413 s: it starts
     need, _ = short.requirement(short.by_name["preset"])
@@ -317,10 +318,10 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
     gpu = load_config("campaign", None, [f"out={tmp_path}"]).campaign.gpu.predict
     dino = load_config("dino", "resmlp_s12", ["demo=false"])  # the Fashion-MNIST preset
     sched = schedule(dino, 60000)
-    assert sched == {"epochs": 100, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
+    assert sched == {"epochs": 40, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
     const = predict(sched, gpu, {}, "campaign.gpu.predict")
-    assert const["evaluations"] == 9  # epochs 10..90; the last epoch's is the end's
-    assert const["need_s"] == pytest.approx(15 + 88 + 100 * 59904 / 6600 + 9 * 4 + 30, abs=0.1)
+    assert const["evaluations"] == 3  # epochs 10..30; the last epoch's is the end's
+    assert const["need_s"] == pytest.approx(15 + 88 + 40 * 59904 / 6600 + 3 * 4 + 30, abs=0.1)
     # the log the H100 wrote on 2026-11-26 (its last attempt, before call 2's restart line)
     seen = measured(H100_LOG.read_bytes(), 59904, 10)
     assert seen["attempt"] == 1 and seen["startup_s"] == 87.6
@@ -332,9 +333,9 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
     assert full["from"]["end_s"] == full["from"]["launch_s"] == "campaign.gpu.predict"
     # the terms give back the log's own time line: its start, 20 epochs and the k-NN of epochs 10 and 20
     assert seen["startup_s"] + 20 * 59904 / seen["images_per_s"] + 2 * seen["eval_s"] == pytest.approx(274.1, rel=0.02)
-    # resumed at epoch 23.08 (its checkpoint, on the same machine): the evaluations of 30..90 are left
+    # resumed at epoch 23.08 (its checkpoint, on the same machine): the evaluation of epoch 30 is left
     resumed = predict(sched, gpu, seen, "x", from_epoch=23.08)
-    assert resumed["evaluations"] == 7 and resumed["train_s"] == pytest.approx(76.92 * 59904 / seen["images_per_s"],
+    assert resumed["evaluations"] == 1 and resumed["train_s"] == pytest.approx(16.92 * 59904 / seen["images_per_s"],
                                                                                 rel=1e-3)
     # the config decides: a subset, another length and evaluation cadence
     other = load_config("dino", "resmlp_s12", ["demo=false", "data.subset=30000", "epochs=50", "eval_every=5"])
