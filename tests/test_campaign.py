@@ -22,12 +22,17 @@ import torch
 
 from resmlp.bench import bench as B
 from resmlp.bench import campaign as C
+from resmlp.bench import campaign_report as RE
 from resmlp.bench import campaign_stages as CS
 from resmlp.bench import campaign_state as S
 from resmlp.bench import rows as R
 from resmlp.bench.bench import Context
 from resmlp.bench.campaign import REPORT_FILES, STARTED_ENV, Campaign
+from resmlp.bench.campaign_bench import PROFILE_TOP, BenchStage, ProfileStage, profile_figures
+from resmlp.bench.campaign_plan import plan
 from resmlp.bench.campaign_predict import measured, predict, schedule
+from resmlp.bench.campaign_tests import TestsStage, note_test_line
+from resmlp.bench.campaign_training import PresetStage, TrainingStage, graphs_decision
 from resmlp.bench.report import MAX_BYTES, ReportError, write_report
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
@@ -212,10 +217,10 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
 
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     cfg = load_config("campaign", None, [*TINY, f"out={tmp_path}"])
-    p, stages = CS.plan(cfg, tmp_path)
+    p, stages = plan(cfg, tmp_path)
     assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench"]
     gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
-    p, stages = CS.plan(gpu, tmp_path)
+    p, stages = plan(gpu, tmp_path)
     assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
     assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
     assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
@@ -224,9 +229,9 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
                       (["campaign.call_s=200"], "no time for the bench stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
-            CS.plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
+            plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
     # the bench stages share one bench.json; the first one asks for the S12 lines of the step and the k-NN
-    _, stages = CS.plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert by["bench_fused"].dir == by["bench"].dir == tmp_path / "bench"
     assert "bench.rows=[dino,knn]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
@@ -239,17 +244,17 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
 
 
 def test_a_stage_needs_its_whole_time_under_a_window_and_a_bench_stage_its_longest_line():
-    preset = CS.Stage("preset", [], Path("."), 150)
-    bench = CS.Stage("bench", [], Path("."), 120, line_s=150)
-    tests = CS.Stage("tests", [], Path("."), 100)
-    compare = CS.Stage("compare", [], Path("."), 150, budget_s=900, wall_s=700)
+    preset = PresetStage("preset", [], Path("."), 150, config=())
+    bench = BenchStage("bench", [], Path("."), 120, line_s=150)
+    tests = TestsStage("tests", [], Path("."), 100)
+    compare = TrainingStage("compare", [], Path("."), 150, config=(), budget_s=900, wall_s=700)
     predicted = {"need_s": 1062.0}
-    assert CS.requirement(preset, {}, True, predicted)[0] == 1062
-    assert CS.requirement(preset, {}, True, {"need_s": 40.0})[0] == 150  # never under min_start_s
-    assert CS.requirement(preset, {}, False, predicted)[0] == 150  # no window: it resumes from its checkpoint
-    assert CS.requirement(compare, {"stop_grace_s": 30}, True, predicted)[0] == 170  # its budget, to its stop
-    assert CS.requirement(bench, {}, True, None)[0] == 151
-    assert CS.requirement(tests, {}, True, None)[0] == 100
+    assert preset.requirement({}, True, predicted)[0] == 1062
+    assert preset.requirement({}, True, {"need_s": 40.0})[0] == 150  # never under min_start_s
+    assert preset.requirement({}, False, predicted)[0] == 150  # no window: it resumes from its checkpoint
+    assert compare.requirement({"stop_grace_s": 30}, True, predicted)[0] == 170  # its budget, to its stop
+    assert bench.requirement({}, True, None)[0] == 151
+    assert tests.requirement({}, True, None)[0] == 100
     assert [CS.decide(100, left, later) for left, later in ((100, 0), (99, 100), (99, 99))] == \
         ["start", "next_call", "window"]
 
@@ -345,7 +350,7 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
 
 
 def test_the_fused_stages_ask_for_the_fused_block(tmp_path):
-    _, stages = CS.plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert "bench.gpu.fused=[true]" in by["bench_fused"].argv
     assert "model.fused=true" in by["profile_preset"].argv and "model.fused=true" in by["profile_224"].argv
@@ -358,17 +363,18 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
                           "step compiled": {"ms": 40.0, "images_per_s": 12800.0}},
                "kernels_compiled": {"wall_ms": 40.2, "busy_ms": 38.1, "kernels_per_call": 812.0, "top": top}}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
-    stage = CS.Stage("profile_preset", [], tmp_path, 120, status="done")
-    stage.profile = S.profile_figures(tmp_path / "profile.json")
-    assert len(stage.profile["kernels_compiled"]["top"]) == S.PROFILE_TOP < 25
+    stage = ProfileStage("profile_preset", [], tmp_path, 120, status="done")
+    stage.profile = profile_figures(tmp_path / "profile.json")
+    assert len(stage.profile["kernels_compiled"]["top"]) == PROFILE_TOP < 25
     assert all(len(k["name"]) <= 160 for k in stage.profile["kernels_compiled"]["top"])
     assert stage.profile["phases"] == profile["phases"] and stage.profile["kernels_compiled"]["busy_ms"] == 38.1
-    line = S.describe(stage)
+    line = stage.describe()
     assert "step compiled 40.0 ms (12800 img/s)" in line and "device busy 38.1 of 40.2 ms per call" in line
     # in the stage's state, so in summary.json, and back from a carried report on a fresh machine
     fresh = tmp_path / "fresh"
-    S.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2)
-    again = CS.Stage("profile_preset", [], fresh / "profile_preset", 120)
+    RE.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2,
+               [ProfileStage("profile_preset", [], fresh / "profile_preset", 120)])
+    again = ProfileStage("profile_preset", [], fresh / "profile_preset", 120)
     again.take(S.read_state(fresh)["stages"]["profile_preset"])
     assert again.profile == stage.profile and again.status == "done"
 
@@ -382,50 +388,50 @@ def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
              "tests/test_x.py::test_c ERROR                                       [ 80%]",
              "FAILED tests/test_x.py::test_b - AssertionError: 1 != 2",
              "collecting ... collected 6 items", "ep 1/2 it 2/6 loss 6.5"]
-    said = [CS.note_test_line(line, outcomes) for line in lines]
+    said = [note_test_line(line, outcomes) for line in lines]
     assert said == [True] * 6 + [False] * 2
     assert outcomes == {"tests/test_graphs.py::test_a[False]": {"outcome": "passed"},
                         "tests/test_graphs.py::test_a[True]": {"outcome": "skipped", "message": "needs a CUDA GPU"},
                         "tests/test_x.py::test_b": {"outcome": "failed", "message": "AssertionError: 1 != 2"},
                         "tests/test_x.py::test_c": {"outcome": "error"}}
-    stage = CS.Stage("tests", ["-m", "pytest", "tests"], Path("."), 5, outcomes=outcomes)
-    argv = CS.launch(stage, {}, {}, [], None)
+    stage = TestsStage("tests", ["-m", "pytest", "tests"], Path("."), 5, outcomes=outcomes)
+    argv = stage.launch(0)
     assert argv[:3] == ["-m", "pytest", "tests"] and argv[3::2] == ["--deselect"] * 4
     assert set(argv[4::2]) == set(outcomes)
-    CS.classify(stage, 1, None)
+    stage.classify(1, None)
     assert stage.status == "done" and stage.note.startswith("2 test(s) failed")
-    CS.classify(stage, -15, "call")
+    stage.classify(-15, "call")
     assert stage.status == "cut"
 
 
 def test_the_preset_is_graphed_only_when_the_graph_tests_passed():
-    tests = CS.Stage("tests", [], Path("."), 5, status="done")
+    tests = TestsStage("tests", [], Path("."), 5, status="done")
     graph = "tests/test_graphs.py"
     tests.outcomes = {f"{graph}::test_a": {"outcome": "passed"}, f"{graph}::test_b[True]": {"outcome": "passed"},
                       "tests/test_x.py::test_c": {"outcome": "failed"}}
-    assert CS.graphs_decision(tests, graph, [])["on"] is True
+    assert graphs_decision(tests, graph, [])["on"] is True
     tests.outcomes[f"{graph}::test_c"] = {"outcome": "skipped", "message": "needs a CUDA GPU"}
-    off = CS.graphs_decision(tests, graph, [])
+    off = graphs_decision(tests, graph, [])
     assert off["on"] is False and "1 of the 3" in off["why"] and "needs a CUDA GPU" in off["why"]
-    assert CS.graphs_decision(None, graph, [])["why"].endswith("not in campaign.stages")
+    assert graphs_decision(None, graph, [])["why"].endswith("not in campaign.stages")
     tests.status = "cut"
-    assert CS.graphs_decision(tests, graph, [])["on"] is False
-    assert CS.graphs_decision(tests, graph, ["dino.cuda_graphs=false"])["on"] is None
+    assert graphs_decision(tests, graph, [])["on"] is False
+    assert graphs_decision(tests, graph, ["dino.cuda_graphs=false"])["on"] is None
     # decided once, at the preset's first start, and kept
     tests.status, tests.outcomes = "done", {f"{graph}::test_a": {"outcome": "passed"}}
-    preset = CS.Stage("preset", ["-m", "x"], Path("."), 5)
-    assert CS.launch(preset, {"tests": tests}, {"graph_tests": graph}, [], None)[-1] == "dino.cuda_graphs=true"
+    preset = PresetStage("preset", ["-m", "x"], Path("."), 5, config=(), tests=tests, graph_tests=graph)
+    assert preset.launch(0)[-1] == "dino.cuda_graphs=true"
     tests.outcomes[f"{graph}::test_a"]["outcome"] = "failed"
-    assert CS.launch(preset, {"tests": tests}, {"graph_tests": graph}, [], None)[-1] == "dino.cuda_graphs=true"
+    assert preset.launch(0)[-1] == "dino.cuda_graphs=true"
 
 
 def test_a_budget_stage_ends_when_its_budget_is_spent():
-    compare = CS.Stage("compare", [], Path("."), 5, budget_s=900)
-    CS.classify(compare, 75, "budget")
+    compare = TrainingStage("compare", [], Path("."), 5, config=(), budget_s=900)
+    compare.classify(75, "budget")
     assert compare.status == "done" and "budget of 900 s" in compare.note
-    CS.classify(compare, 75, "call")
+    compare.classify(75, "call")
     assert compare.status == "cut"
-    CS.classify(compare, 3, None)
+    compare.classify(3, None)
     assert compare.status == "failed"
 
 
