@@ -6,6 +6,7 @@ window's end, the preset's prediction from its config and from the 2026-11-26 H1
 stages' order and pytest bookkeeping; the preset's graphs decision; the bench's lines shared
 between its two stages; the awaited keys of other branches; the profiles in summary.json; the
 checkpoint cadence and its time in the results; bad input; the report folder's limits."""
+import ast
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from resmlp.bench import bench as B
 from resmlp.bench import campaign as C
@@ -433,6 +435,63 @@ def test_a_budget_stage_ends_when_its_budget_is_spent():
     assert compare.status == "cut"
     compare.classify(3, None)
     assert compare.status == "failed"
+
+
+def holds_a_name(node, names: set) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in names
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(holds_a_name(e, names) for e in node.elts)
+
+
+def name_constants(source: str, names: set) -> set:
+    """The module-level constants of `source` that hold a stage's name (TRAINING = (...))."""
+    return {t.id for n in ast.parse(source).body if isinstance(n, ast.Assign) and holds_a_name(n.value, names)
+            for t in n.targets if isinstance(t, ast.Name)}
+
+
+def stage_branches(source: str, names: set, where: str = "<source>", constants: set = frozenset()) -> list:
+    """Where `source` branches on a stage's name: a comparison or a `match` case against a
+    name written out, or in a tuple, a list, a set or a module-level constant that holds one
+    (its own, or `constants` of the modules beside it). A config section or a figure may
+    share a stage's name: a look-up is no branch."""
+    tree = ast.parse(source, where)
+    constants = {*constants, *name_constants(source, names)}
+
+    def named(node) -> bool:
+        return holds_a_name(node, names)
+
+    def names_one(node) -> bool:
+        return named(node) or (isinstance(node, ast.Name) and node.id in constants)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hit = any(names_one(x) for x in (node.left, *node.comparators))
+        elif isinstance(node, ast.MatchValue):
+            hit = names_one(node.value)
+        else:
+            continue
+        if hit:
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_of_the_campaign_branches_on_a_stage_name():
+    """A stage's kind decides what it does (campaign_stages.py); its name only picks its kind
+    and keys, once, in the plan's table."""
+    names = set(OmegaConf.load(ROOT / "configs" / "method" / "campaign.yaml").limits["campaign.stages"])
+    _, stages = plan(load_config("campaign", None, ["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
+    assert {s.name for s in stages} == names  # every name has a kind
+    files = sorted(Path(C.__file__).parent.glob("campaign*.py"))
+    assert len(files) >= 8, files
+    constants = {c for path in files for c in name_constants(path.read_text(), names)}
+    found = [f for path in files for f in stage_branches(path.read_text(), names, path.name, constants)]
+    assert not found, "\n".join(found)
+    # what the check is for: the branches the campaign once had
+    for branch in ('if stage.name == "tests":\n    pass', 'ok = stage.name in ("bench_fused", "bench")',
+                   'TRAINING = ("preset", "compare")\nif n in TRAINING:\n    pass', 'ok = "tests" != name',
+                   'match n:\n    case "preset":\n        pass'):
+        assert stage_branches(branch, names), branch
+    assert not stage_branches('d = root / "bench"\nargv = ["-m", "bench"]\nok = n == "dino"\nx = keys["preset"]', names)
 
 
 # --------------------------------------------------------------------------- the bench's lines
