@@ -22,21 +22,20 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from campaign import call as C
+from campaign import report as RE
+from campaign import stages as CS
+from campaign import state as S
+from campaign.bench import PROFILE_TOP, BenchStage, ProfileStage, profile_figures
+from campaign.call import REPORT_FILES, STARTED_ENV, Campaign, main
+from campaign.folder import MAX_BYTES, ReportError, write_report
+from campaign.plan import plan
+from campaign.predict import measured, predict, schedule
+from campaign.tests import TestsStage, note_test_line
+from campaign.training import PresetStage, TrainingStage, graphs_decision
 from resmlp.bench import bench as B
-from resmlp.bench import campaign as C
-from resmlp.bench import campaign_report as RE
-from resmlp.bench import campaign_stages as CS
-from resmlp.bench import campaign_state as S
 from resmlp.bench import rows as R
 from resmlp.bench.bench import Context
-from resmlp.bench.campaign import REPORT_FILES, STARTED_ENV, Campaign
-from resmlp.bench.campaign_bench import PROFILE_TOP, BenchStage, ProfileStage, profile_figures
-from resmlp.bench.campaign_plan import plan
-from resmlp.bench.campaign_predict import measured, predict, schedule
-from resmlp.bench.campaign_tests import TestsStage, note_test_line
-from resmlp.bench.campaign_training import PresetStage, TrainingStage, graphs_decision
-from resmlp.bench.report import MAX_BYTES, ReportError, write_report
-from resmlp.core.cli import main
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
 
@@ -52,7 +51,8 @@ def call(out, report, window, carried=None, kill=None):
     group; `kill`: a regex of the output at which the whole group gets SIGKILL (the tool's
     time limit). Returns (exit code, output lines, process group)."""
     env = {k: v for k, v in os.environ.items() if k != STARTED_ENV}
-    argv = [sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools"), *filter(None, [env.get("PYTHONPATH")])])
+    argv = [sys.executable, "-m", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
             "campaign.call_s=600", f"campaign.window_left_s={window}",
             *([f"campaign.from_report={carried}"] if carried else [])]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -346,7 +346,7 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
                                                                                 rel=1e-3)
     # the config decides: a subset, another length and evaluation cadence
     other = load_config("dino", "resmlp_s12", ["demo=false", "data.subset=30000", "epochs=50", "eval_every=5"])
-    from resmlp.bench.campaign_predict import train_images
+    from campaign.predict import train_images
     assert train_images(other, None) == 30000 and train_images(dino, 48) == 48 and train_images(dino, None) == 60000
     assert predict(schedule(other, 30000), gpu, {}, "x")["evaluations"] == 9
 
@@ -476,12 +476,12 @@ def stage_branches(source: str, names: set, where: str = "<source>", constants: 
 
 
 def test_no_code_of_the_campaign_branches_on_a_stage_name():
-    """A stage's kind decides what it does (campaign_stages.py); its name only picks its kind
+    """A stage's kind decides what it does (stages.py); its name only picks its kind
     and keys, once, in the plan's table."""
     names = set(OmegaConf.load(ROOT / "configs" / "method" / "campaign.yaml").limits["campaign.stages"])
     _, stages = plan(load_config("campaign", None, ["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
     assert {s.name for s in stages} == names  # every name has a kind
-    files = sorted(Path(C.__file__).parent.glob("campaign*.py"))
+    files = sorted(Path(C.__file__).parent.glob("*.py"))
     assert len(files) >= 8, files
     constants = {c for path in files for c in name_constants(path.read_text(), names)}
     found = [f for path in files for f in stage_branches(path.read_text(), names, path.name, constants)]
@@ -562,17 +562,17 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
 
 def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys):
     out = f"out={tmp_path}"
-    assert main(["campaign", "campaign.profile=nope", out]) == 2
-    assert main(["campaign", "campaign.profile=tiny", "campaign.call_s=10", out]) == 2
+    assert main(["campaign.profile=nope", out]) == 2
+    assert main(["campaign.profile=tiny", "campaign.call_s=10", out]) == 2
     assert "min_start_s.tests + stop_grace_s" in capsys.readouterr().err
-    assert main(["campaign", *TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
+    assert main([*TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["error: campaign.window_left_s=-60 is not allowed: campaign.window_left_s "
                                         "must be a number > 0 (or null)"] and not (tmp_path / "never").exists()
     state = {"commands": {"preset": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", "epochs=3"]}, "stages": {},
              "calls": []}
     (tmp_path / "campaign.json").write_text(json.dumps(state))
-    assert main(["campaign", "campaign.profile=tiny", "campaign.stages=[preset]", out]) == 2
+    assert main(["campaign.profile=tiny", "campaign.stages=[preset]", out]) == 2
     err = capsys.readouterr().err
     assert "another command" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     # a carried report: of another campaign, unreadable, or the report folder itself; checked before any work
@@ -583,14 +583,14 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     for extra, says in (([f"campaign.from_report={carried}"], "another command"),
                         ([f"campaign.from_report={carried}", f"campaign.report={carried}"], "both"),
                         ([f"campaign.from_report={tmp_path}"], "cannot read its summary.json")):
-        assert main(["campaign", *TINY, "campaign.stages=[preset]", f"out={fresh}", *extra]) == 2
+        assert main([*TINY, "campaign.stages=[preset]", f"out={fresh}", *extra]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
         assert not fresh.exists()
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
-    assert main(["campaign", *TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
+    assert main([*TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
     assert "holds other things (notes.txt)" in capsys.readouterr().err and not fresh.exists()
     # none yet (the first call): a new campaign, and it says so
     c = Campaign(load_config("campaign", None, [*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))

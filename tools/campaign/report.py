@@ -1,11 +1,11 @@
-"""What a campaign's report folder holds (bench/campaign.py rewrites it as a call goes), and how
+"""What a campaign's report folder holds (call.py rewrites it as a call goes), and how
 a fresh machine continues from one carried in. No torch import.
 
 The folder holds it all, flat and small: summary.json (with campaign.json's content under
 "state", the profiles' phases and top kernels among it), campaign.log, bench.json and the
 training stages' results.json and log.jsonl: 7 files, so that a write a kill interrupts
 still leaves its temp file within the 8 a lent machine hands back. Each stage's kind says
-which of its files go in and what it takes back from them (campaign_stages.py).
+which of its files go in and what it takes back from them (stages.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from resmlp.bench.campaign_stages import Stage
-from resmlp.bench.campaign_state import LOG, write_state
+from campaign.stages import Stage
+from campaign.state import LOG, write_state
 from resmlp.core.errors import UserError
 
 REPORT_FILES = ("summary.json", "campaign.log", "bench.json", "preset_results.json", "preset_log.jsonl",

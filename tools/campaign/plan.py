@@ -1,5 +1,5 @@
-"""The stages a campaign runs (bench/campaign.py), in campaign.stages' order: which kind each
-one is (campaign_stages.py) and with what keys from the profile's settings
+"""The stages a campaign runs (call.py), in campaign.stages' order: which kind each
+one is (stages.py) and with what keys from the profile's settings
 (configs/method/campaign.yaml). No torch import.
 
   tests           the CUDA-only tests (`pytest -m cuda`)
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from resmlp.bench.campaign_bench import BenchStage, ProfileStage
-from resmlp.bench.campaign_stages import Stage
-from resmlp.bench.campaign_tests import TestsStage
-from resmlp.bench.campaign_training import PresetStage, TrainingStage
+from campaign.bench import BenchStage, ProfileStage
+from campaign.stages import Stage
+from campaign.tests import TestsStage
+from campaign.training import PresetStage, TrainingStage
 from resmlp.core.config import as_list, to_dict
 from resmlp.core.errors import UserError
 

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from resmlp.bench.campaign_stages import Stage
+from campaign.stages import Stage
 
 PROFILE_TOP = 15        # kernels per profiled step kept in summary.json
 

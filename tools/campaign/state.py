@@ -1,7 +1,7 @@
-"""What a campaign keeps between calls on one machine (bench/campaign.py): campaign.json in the
+"""What a campaign keeps between calls on one machine (call.py): campaign.json in the
 campaign dir, with each stage's state (what its kind keeps: status, the tests' results, the
 preset's graphs decision, ...), the command each stage ran, and the calls. The report folder
-is campaign_report.py's. No torch import.
+is report.py's. No torch import.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import shlex
 from pathlib import Path
 
-from resmlp.bench.campaign_stages import Stage
+from campaign.stages import Stage
 from resmlp.core.errors import UserError
 
 STATE = "campaign.json"

@@ -2,7 +2,7 @@
 preset with other keys for a budget of stage time (compare). No torch import (except for
 Fashion-MNIST's size).
 
-Under a window one starts only when its predicted time fits (bench/campaign_predict.py).
+Under a window one starts only when its predicted time fits (predict.py).
 A stop signal makes the trainer save a checkpoint and exit 75; the next call on the same
 machine resumes from it. A fresh machine continues from a carried report: the stage that
 was under way starts again from epoch 0 (its checkpoint stayed behind), and its earlier
@@ -16,9 +16,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from resmlp.bench.campaign_predict import measured, predict, schedule, train_images
-from resmlp.bench.campaign_stages import Stage
-from resmlp.bench.campaign_tests import TestsStage
+from campaign.predict import measured, predict, schedule, train_images
+from campaign.stages import Stage
+from campaign.tests import TestsStage
 from resmlp.core.config import load_config
 
 RESTORED = "restored"   # in the campaign dir: the training stages' files a report brought back
@@ -74,7 +74,7 @@ class TrainingStage(Stage):
     # ---- its time ---------------------------------------------------------------------------
     def predict(self, p, constants_name, say=None):
         """Its time from its config, and from its own log where an attempt of this campaign
-        measured a term (bench/campaign_predict.py); kept in its state."""
+        measured a term (predict.py); kept in its state."""
         command, model, overrides = self.config
         cfg = load_config(command, model, overrides)
         images = train_images(cfg, p.get("images"))

@@ -1,20 +1,20 @@
-"""A stage of the campaign (bench/campaign.py runs them): the part every kind of stage shares,
+"""A stage of the campaign (call.py runs them): the part every kind of stage shares,
 and when one may start. No torch import.
 
 Each kind is a class that owns its command line, what its exit code means, what it takes
 back from a carried report and the figures it puts in the report:
 
-  TestsStage     the CUDA-only tests, each test's result kept as it comes (campaign_tests.py)
-  BenchStage     bench lines, kept one by one in a bench.json (campaign_bench.py)
-  ProfileStage   bench/profile.py on one step: time per phase, top kernels (campaign_bench.py)
+  TestsStage     the CUDA-only tests, each test's result kept as it comes (tests.py)
+  BenchStage     bench lines, kept one by one in a bench.json (bench.py)
+  ProfileStage   bench/profile.py on one step: time per phase, top kernels (bench.py)
   TrainingStage  a DINO run to its last epoch, its time predicted before it starts; the
-                 preset's PresetStage also decides on CUDA graphs (campaign_training.py)
+                 preset's PresetStage also decides on CUDA graphs (training.py)
 
-campaign_plan.py says which stage of campaign.stages is of which kind, with what keys.
+plan.py says which stage of campaign.stages is of which kind, with what keys.
 
 Under a window (campaign.window_left_s) a stage starts only when it can end in what is left:
 a bench stage keeps its lines one by one, so one that fits its longest line may start; any
-other needs its whole time (a training stage its prediction, bench/campaign_predict.py; the
+other needs its whole time (a training stage its prediction, predict.py; the
 others their min_start_s, which is their whole run) before the call's stop signal.
 """
 from __future__ import annotations

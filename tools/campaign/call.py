@@ -5,22 +5,22 @@ The machines a GPU can be borrowed on give a window of device time (15 minutes f
 calls, each machine's start and idle waits included), commands of at most 10 minutes,
 forget their files half a minute after a command ends, kill a command that outruns its
 limit with everything in its process group, and hand back a few small files. So one call
-runs the stages (bench/campaign_plan.py) in campaign.stages' order until the earlier of
-`campaign.call_s` seconds (counted from run.sh's start, its set-up included) and the
-window's end (`campaign.window_left_s`, what the device tool said was left when the call
-was asked for, less a fresh machine's start and a margin), each as a subprocess in the
-campaign's own process group (a kill of the call ends it too). A stage starts only when
-what it needs fits before the call's stop signal (its kind's requirement: a bench
-stage its longest line, a training stage its predicted time, bench/campaign_predict.py);
-when only a later call of the window could fit it, this call ends there; when none could,
-it is not started in this window and the call goes on with the next stage. At the call's
-end the stage in flight gets SIGTERM, which the trainers answer with a checkpoint and exit
-75 (core/preempt.py) and the bench by finishing its line. The report folder
-(campaign_report.py) is rewritten at the call's start, after every stage, bench line, k-NN
-and test, and at least every campaign.report_every_s, so a call killed at any point hands
-back what it measured. The next call continues from the campaign dir (`out`, its
-campaign_state.py) on a warm machine, or from the report carried in (`campaign.from_report`) on a fresh one. A call
-prints what it did, what is left and whether to call again.
+runs the stages (plan.py) in campaign.stages' order until the earlier of `campaign.call_s`
+seconds (counted from run.sh's start, its set-up included) and the window's end
+(`campaign.window_left_s`, what the device tool said was left when the call was asked for,
+less a fresh machine's start and a margin), each as a subprocess in the campaign's own
+process group (a kill of the call ends it too). A stage starts only when what it needs fits
+before the call's stop signal (its kind's requirement, stages.py: a bench stage its longest
+line, a training stage its predicted time, predict.py); when only a later call of the
+window could fit it, this call ends there; when none could, it is not started in this
+window and the call goes on with the next stage. At the call's end the stage in flight gets
+SIGTERM, which the trainers answer with a checkpoint and exit 75 (core/preempt.py) and the
+bench by finishing its line. The report folder (report.py) is rewritten at the call's
+start, after every stage, bench line, k-NN and test, and at least every
+campaign.report_every_s, so a call killed at any point hands back what it measured. The
+next call continues from the campaign dir (`out`, state.py) on a warm machine, or from the
+report carried in (`campaign.from_report`) on a fresh one. A call prints what it did, what
+is left and whether to call again.
 
 Exit codes: 75 call again (a stage left can still run in this window), 0 nothing more to
 call for (every stage ended, or what is left needs another window), 1 the same and a stage
@@ -40,18 +40,18 @@ import threading
 import time
 from pathlib import Path
 
-from resmlp.bench import campaign_report as R
-from resmlp.bench import campaign_state as S
-from resmlp.bench.campaign_plan import plan
-from resmlp.bench.campaign_stages import decide
-from resmlp.bench.report import ReportError, write_report
-from resmlp.bench.report import problem as report_problem
-from resmlp.core import preempt
-from resmlp.core.config import CONFIG_DIR, to_dict
+from campaign import report as R
+from campaign import state as S
+from campaign.folder import ReportError, write_report
+from campaign.folder import problem as report_problem
+from campaign.plan import plan
+from campaign.stages import decide
+from resmlp.core import cli, preempt
+from resmlp.core.config import to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 from resmlp.core.lock import RunLock
 
-ROOT = CONFIG_DIR.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the stages run there
 STARTED_ENV = "RESMLP_CAMPAIGN_STARTED"   # run.sh's start (epoch seconds): the call's clock starts there
 REPORT_FILES = R.REPORT_FILES
 
@@ -438,3 +438,15 @@ def run(cfg) -> int:
     finally:
         lock.release()
 
+
+# Not a command of the package (core/cli.py): a tool for measuring this project, which
+# borrows the command line's config, checks and one-line errors.
+COMMAND = cli.Command("campaign.call:run", "the whole GPU measurement, one resumable call after another",
+                      writes="campaign.call:results_dir",
+                      ignores={**cli.NO_FEATURES, "launcher": "it runs here, on the machine it is called on"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m campaign [key=value ...]` (run.sh's `campaign`)."""
+    cli.COMMANDS["campaign"] = COMMAND
+    return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)])

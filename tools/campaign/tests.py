@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from resmlp.bench.campaign_stages import Stage
+from campaign.stages import Stage
 
 
 @dataclass
