@@ -205,10 +205,10 @@ class Campaign:
         False: the call is over."""
         grace = float(self.p["stop_grace_s"])
         end = self.deadline
-        if stage.budget_s is not None:
-            budget_left = stage.budget_s - stage.wall_s
+        budget_left = stage.budget_left_s()
+        if budget_left is not None:
             if budget_left < stage.min_start_s + grace:
-                stage.status, stage.note = "done", f"its budget of {stage.budget_s:g} s is spent"
+                stage.status, stage.note = "done", f"its budget is spent ({stage.wall_s:.0f} s of stage time)"
                 self.say(f"{stage.name}: {stage.note}")
                 return True
             end = min(end, time.time() + budget_left)
@@ -278,7 +278,7 @@ class Campaign:
                 hard = min(end, self.deadline)
                 now = time.time()
                 if stopped_by is None and now >= hard - grace:
-                    stopped_by = "budget" if stage.budget_s is not None and end < self.deadline else "call"
+                    stopped_by = "budget" if stage.budget_left_s() is not None and end < self.deadline else "call"
                     self.say(f"stopping the stage (SIGTERM): {'its budget' if stopped_by == 'budget' else 'the call'}"
                              f" ends in {max(0.0, hard - now):.0f} s")
                     proc.send_signal(signal.SIGTERM)
@@ -367,8 +367,7 @@ class Campaign:
         return {"campaign": str(self.dir), "profile": str(self.cfg.campaign.profile), "exit": code,
                 "call_again": code == PREEMPTED_EXIT, "left": left,
                 "left_for_another_window": [] if code == PREEMPTED_EXIT else left,
-                "stages": [{"name": s.name, **s.state(), "budget_s": s.budget_s, "command": ["python", *s.argv],
-                            **s.figures} for s in self.stages],
+                "stages": [s.summary() for s in self.stages],
                 "calls": self.calls, "settings": to_dict(self.cfg.campaign), "state": state}
 
     def device(self) -> str:

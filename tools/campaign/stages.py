@@ -39,7 +39,6 @@ class Stage:
     figures: dict = field(default_factory=dict)  # what the report shows of its files (read_figures)
 
     KEPT = ("status", "note", "rc", "wall_s", "runs")  # what campaign.json keeps between calls
-    budget_s = None           # stage time over all calls, where a kind has one (TrainingStage)
 
     # ---- state ------------------------------------------------------------------------------
     def ended(self) -> bool:
@@ -60,6 +59,10 @@ class Stage:
         return None
 
     # ---- its time ---------------------------------------------------------------------------
+    def budget_left_s(self) -> float | None:
+        """What is left of a budget of stage time over all calls (None: the kind has none)."""
+        return None
+
     def predict(self, p: dict, constants_name: str, say=None) -> dict | None:
         """The stage's time from its config, for the kinds that can tell (None: min_start_s stands)."""
         return None
@@ -113,6 +116,10 @@ class Stage:
     def report_files(self) -> dict:
         """The report folder's files this stage adds: {name: a Path to copy, or bytes}."""
         return {}
+
+    def summary(self) -> dict:
+        """Its entry in summary.json."""
+        return {"name": self.name, **self.state(), "command": ["python", *self.argv], **self.figures}
 
     def describe(self) -> str:
         """One line of the call's closing table."""

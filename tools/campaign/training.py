@@ -72,6 +72,9 @@ class TrainingStage(Stage):
         return f"{self.name} starts again from epoch 0 (its checkpoint of epoch {lost:g} stayed on the old machine)"
 
     # ---- its time ---------------------------------------------------------------------------
+    def budget_left_s(self):
+        return None if self.budget_s is None else self.budget_s - self.wall_s
+
     def predict(self, p, constants_name, say=None):
         """Its time from its config, and from its own log where an attempt of this campaign
         measured a term (predict.py); kept in its state."""
@@ -146,6 +149,9 @@ class TrainingStage(Stage):
             out["results"] = {k: r.get(k) for k in ("epochs", "knn_top1", "linear_top1", "init_knn_top1",
                                                     "train_images_per_s", "device", "wall_time_s", "timing")}
         return out
+
+    def summary(self):
+        return {**super().summary(), "budget_s": self.budget_s}
 
     def report_files(self):
         files = {f"{self.name}_results.json": self.results()}
