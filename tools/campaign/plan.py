@@ -23,22 +23,12 @@ from campaign.training import PresetStage, TrainingStage
 from resmlp.core.config import as_list, to_dict
 from resmlp.core.errors import UserError
 
-STAGES = ("tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench", "compare")
-
 
 def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
-    """(the profile's settings, the stages asked for, in campaign.stages' order)."""
+    """(the profile's settings, the stages asked for, in campaign.stages' order). The names
+    campaign.stages may hold are its `limits:` entry's; the table `kinds` gives each its kind."""
     c = cfg.campaign
     p = to_dict(c[c.profile])
-    names = [str(s) for s in as_list(c.stages)]
-    if not names or len(set(names)) < len(names):
-        raise UserError(f"campaign.stages={names} must name each stage once, some of {', '.join(STAGES)}")
-    grace = float(p["stop_grace_s"])
-    for name in names:
-        if c.call_s <= p["min_start_s"][name] + grace:
-            raise UserError(f"campaign.call_s={c.call_s} leaves no time for the {name} stage: it must exceed "
-                            f"campaign.{c.profile}.min_start_s.{name} + stop_grace_s = "
-                            f"{p['min_start_s'][name] + grace:g} s")
     d = campaign_dir
     keys = {k: [str(x) for x in v] for k, v in p.items() if isinstance(v, list)}  # key=value lists
     mine = [*map(str, as_list(c.preset_overrides))]
@@ -63,14 +53,23 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
         "tests": lambda n: TestsStage(n, ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *keys["tests"]],
                                       d / n, float(p["min_start_s"][n])),
         "preset": lambda n: training(PresetStage, n, preset, graph_tests=str(p["graph_tests"]), user_overrides=mine),
-        "compare": lambda n: training(TrainingStage, n, [*preset, *map(str, as_list(c.compare_overrides))],
-                                      budget_s=float(c.compare_budget_s)),
         "bench_fused": lambda n: bench(n, keys["bench_fused"]),
-        "bench": lambda n: bench(n, keys["bench_rest"]),
         # the preset's own step (its model, crops and batch) and the 224 px one, each profiled
         "profile_preset": lambda n: profile(n, [*keys["preset"], *mine, *keys["profile_preset"]]),
         "profile_224": lambda n: profile(n, keys["profile_224"]),
+        "bench": lambda n: bench(n, keys["bench_rest"]),
+        "compare": lambda n: training(TrainingStage, n, [*preset, *map(str, as_list(c.compare_overrides))],
+                                      budget_s=float(c.compare_budget_s)),
     }
+    names = [str(s) for s in as_list(c.stages)]
+    if not names or len(set(names)) < len(names):
+        raise UserError(f"campaign.stages={names} must name each stage once, some of {', '.join(kinds)}")
+    grace = float(p["stop_grace_s"])
+    for name in names:
+        if c.call_s <= p["min_start_s"][name] + grace:
+            raise UserError(f"campaign.call_s={c.call_s} leaves no time for the {name} stage: it must exceed "
+                            f"campaign.{c.profile}.min_start_s.{name} + stop_grace_s = "
+                            f"{p['min_start_s'][name] + grace:g} s")
     stages = [kinds[n](n) for n in names]
     tests = next((s for s in stages if isinstance(s, TestsStage)), None)
     for s in stages:
