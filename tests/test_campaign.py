@@ -603,6 +603,18 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
         "error: campaign.profile=nope is not allowed: campaign.profile must be one of gpu, tiny"], sh.stderr
 
 
+def test_the_campaign_is_a_tool_of_this_repository_not_a_command_of_the_package(tmp_path, capsys):
+    """tools/campaign measures this project; the package's own command line does not offer it,
+    and the campaign runs only where it is called (no SLURM job)."""
+    package = subprocess.run([sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY], cwd=tmp_path,
+                             env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
+    assert package.returncode == 2 and "unknown command 'campaign'" in package.stderr, package.stderr
+    assert main([*TINY, "launcher=slurm", f"out={tmp_path / 'never'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: `campaign` does not read launcher (it runs here, on the machine it "
+                                        "is called on); drop launcher=slurm"] and not (tmp_path / "never").exists()
+
+
 def test_the_report_folder_keeps_to_the_limits(tmp_path):
     folder = tmp_path / "report"
     big = tmp_path / "big.log"
