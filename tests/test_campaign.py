@@ -381,6 +381,28 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
     assert again.profile == stage.profile and again.status == "done"
 
 
+def test_a_stage_left_out_of_campaign_stages_keeps_its_files_in_the_report(tmp_path):
+    """A window that runs only the tests still carries the preset an earlier window cut: its
+    log comes back from the carried report, with the restart line, and goes on in the next."""
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    log = json.dumps({"epoch": 0.5, "loss": 6.0, "elapsed_s": 20.0}) + "\n"
+    (carried / "preset_log.jsonl").write_text(log)
+    state = {"profile": "tiny", "dir": str(tmp_path / "old"), "commands": {},
+             "stages": {"preset": {"status": "running", "runs": 1}}, "calls": [{"call": 1}]}
+    (carried / "summary.json").write_text(json.dumps({"state": state, "stages": [{"name": "preset",
+                                                                                 "epochs_trained": 0.5}]}))
+    out = tmp_path / "campaign"
+    c = Campaign(load_config("campaign", None, [*TINY, f"out={out}", "campaign.stages=[tests]",
+                                                f"campaign.from_report={carried}"]))
+    c.load()
+    assert [s.name for s in c.stages] == ["tests"] and "preset starts again from epoch 0" in c.restored
+    c.report(0)
+    kept = records(c.report_dir / "preset_log.jsonl")
+    assert kept[0] == json.loads(log) and kept[1]["restart"] == 2
+    assert S.read_state(out)["stages"]["preset"]["restart"] is True
+
+
 def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
     outcomes: dict = {}
     lines = ["tests/test_graphs.py::test_a[False] PASSED                         [ 20%]",

@@ -44,7 +44,7 @@ from campaign import report as R
 from campaign import state as S
 from campaign.folder import ReportError, write_report
 from campaign.folder import problem as report_problem
-from campaign.plan import plan
+from campaign.plan import not_asked, plan
 from campaign.stages import decide
 from resmlp.core import cli, preempt
 from resmlp.core.config import to_dict
@@ -67,6 +67,7 @@ class Campaign:
         c = cfg.campaign
         self.dir = Path(str(cfg.out)).expanduser().resolve()  # the stages run from the repository root
         self.p, self.stages = plan(cfg, self.dir)
+        self.others = not_asked(cfg, self.dir, self.stages)  # their files stay in the report
         self.by_name = {s.name: s for s in self.stages}
         self.report_dir = Path(str(c.report)).expanduser() if c.report else self.dir / "report"
         self.from_report = Path(str(c.from_report)).expanduser() if c.from_report else None
@@ -115,7 +116,7 @@ class Campaign:
         saved = S.read_state(self.dir)
         if saved is None and self.carried is not None:
             self.restored = R.restore(self.from_report, self.carried, self.dir, len(self.carried["state"]["calls"]) + 1,
-                                      self.stages)
+                                      [*self.stages, *self.others])
             saved = S.read_state(self.dir)
         elif saved is None and self.from_report is not None:
             self.restored = f"no report in {self.from_report} to continue from: a new campaign"
@@ -339,7 +340,7 @@ class Campaign:
             summary = self.summary(code, state)
         S.write_state(self.dir, state)
         try:
-            write_report(self.report_dir, R.report_files(self.dir, summary, self.stages))
+            write_report(self.report_dir, R.report_files(self.dir, summary, [*self.stages, *self.others]))
         except ReportError as e:
             raise UserError(f"campaign.report: {e}") from None
 

@@ -26,7 +26,35 @@ from resmlp.core.errors import UserError
 
 def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
     """(the profile's settings, the stages asked for, in campaign.stages' order). The names
-    campaign.stages may hold are its `limits:` entry's; the table `kinds` gives each its kind."""
+    campaign.stages may hold are its `limits:` entry's; table() gives each its kind."""
+    c = cfg.campaign
+    p, kinds = table(cfg, campaign_dir)
+    names = [str(s) for s in as_list(c.stages)]
+    if not names or len(set(names)) < len(names):
+        raise UserError(f"campaign.stages={names} must name each stage once, some of {', '.join(kinds)}")
+    grace = float(p["stop_grace_s"])
+    for name in names:
+        if c.call_s <= p["min_start_s"][name] + grace:
+            raise UserError(f"campaign.call_s={c.call_s} leaves no time for the {name} stage: it must exceed "
+                            f"campaign.{c.profile}.min_start_s.{name} + stop_grace_s = "
+                            f"{p['min_start_s'][name] + grace:g} s")
+    stages = [kinds[n](n) for n in names]
+    tests = next((s for s in stages if isinstance(s, TestsStage)), None)
+    for s in stages:
+        if isinstance(s, PresetStage):
+            s.tests = tests
+    return p, stages
+
+
+def not_asked(cfg, campaign_dir: Path, stages: list[Stage]) -> list[Stage]:
+    """The stages of the other kinds: an earlier call may have run them, and their files stay
+    in the report (and come back from it) while campaign.stages leaves them out."""
+    asked = {s.name for s in stages}
+    return [make(n) for n, make in table(cfg, campaign_dir)[1].items() if n not in asked]
+
+
+def table(cfg, campaign_dir: Path) -> tuple[dict, dict]:
+    """(the profile's settings, {stage name: its maker}), each maker with its kind and keys."""
     c = cfg.campaign
     p = to_dict(c[c.profile])
     d = campaign_dir
@@ -49,7 +77,7 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
         return ProfileStage(name, ["-m", "resmlp.bench.profile", *overrides, f"profile.out={d / name}"], d / name,
                             float(p["min_start_s"][name]))
 
-    kinds = {  # each stage's kind and keys, made when campaign.stages names it
+    return p, {
         "tests": lambda n: TestsStage(n, ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *keys["tests"]],
                                       d / n, float(p["min_start_s"][n])),
         "preset": lambda n: training(PresetStage, n, preset, graph_tests=str(p["graph_tests"]), user_overrides=mine),
@@ -61,18 +89,3 @@ def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
         "compare": lambda n: training(TrainingStage, n, [*preset, *map(str, as_list(c.compare_overrides))],
                                       budget_s=float(c.compare_budget_s)),
     }
-    names = [str(s) for s in as_list(c.stages)]
-    if not names or len(set(names)) < len(names):
-        raise UserError(f"campaign.stages={names} must name each stage once, some of {', '.join(kinds)}")
-    grace = float(p["stop_grace_s"])
-    for name in names:
-        if c.call_s <= p["min_start_s"][name] + grace:
-            raise UserError(f"campaign.call_s={c.call_s} leaves no time for the {name} stage: it must exceed "
-                            f"campaign.{c.profile}.min_start_s.{name} + stop_grace_s = "
-                            f"{p['min_start_s'][name] + grace:g} s")
-    stages = [kinds[n](n) for n in names]
-    tests = next((s for s in stages if isinstance(s, TestsStage)), None)
-    for s in stages:
-        if isinstance(s, PresetStage):
-            s.tests = tests
-    return p, stages
