@@ -143,6 +143,11 @@ case "$cmd" in dino|knn|linear|viz|supervised|distill|finetune|compare|data) ens
 # python -m would put the caller's folder first on the import path: a file of theirs named
 # like a module (yaml.py, a datasets/ package) must not replace it.
 export PYTHONSAFEPATH=1
+if [ "$cmd" = campaign ]; then
+  # a tool for measuring this project, not a command of the package: it lives in tools/
+  shift; export PYTHONPATH="$ROOT/tools${PYTHONPATH:+:$PYTHONPATH}"
+  exec "$PY" -m campaign "$@"
+fi
 
 NPROC="${NPROC_PER_NODE:-1}"; NNODES="${NNODES:-1}"
 case "$NPROC$NNODES" in *[!0-9]*) say "NPROC_PER_NODE and NNODES must be whole numbers (got '$NPROC', '$NNODES')"; exit 2 ;; esac

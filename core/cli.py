@@ -74,8 +74,6 @@ COMMANDS = {
                     writes="resmlp.data.inspect:results_dir", ignores=NO_FEATURES),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model",
                      writes="resmlp.bench.bench:results_dir", ignores=NO_FEATURES),
-    "campaign": Command("resmlp.bench.campaign:run", "the whole GPU measurement, one resumable call after another",
-                        writes="resmlp.bench.campaign:results_dir", ignores=NO_FEATURES),
 }
 
 
@@ -88,6 +86,7 @@ def usage() -> str:
         arg = f" <{c.positional}>" if c.positional else ""
         lines.append(f"  {name + arg:<24} {c.help}")
     lines += [f"  {'test':<24} run the test suite (pytest)",
+              f"  {'campaign':<24} this project's GPU measurement, one resumable call after another (tools/campaign)",
               f"  {'campaign-carry':<24} make .whl/ and .fmnist/: what a bare GPU machine needs for campaign",
               f"  {'help':<24} this text", "",
               "models: " + ", ".join(model_names()),

@@ -1,5 +1,5 @@
 """Tests marked `cuda` need a CUDA GPU and skip without one; `pytest -m cuda` selects just
-them (the campaign's tests stage, bench/campaign.py)."""
+them (the campaign's tests stage, tools/campaign/call.py)."""
 import numpy as np
 import pytest
 import torch

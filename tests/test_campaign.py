@@ -6,6 +6,7 @@ window's end, the preset's prediction from its config and from the 2026-11-26 H1
 stages' order and pytest bookkeeping; the preset's graphs decision; the bench's lines shared
 between its two stages; the awaited keys of other branches; the profiles in summary.json; the
 checkpoint cadence and its time in the results; bad input; the report folder's limits."""
+import ast
 import json
 import os
 import re
@@ -19,17 +20,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from campaign import call as C
+from campaign import report as RE
+from campaign import stages as CS
+from campaign import state as S
+from campaign.bench import PROFILE_TOP, BenchStage, ProfileStage, profile_figures
+from campaign.call import REPORT_FILES, STARTED_ENV, Campaign, main
+from campaign.folder import MAX_BYTES, ReportError, write_report
+from campaign.plan import plan
+from campaign.predict import measured, predict, schedule
+from campaign.tests import TestsStage, note_test_line
+from campaign.training import PresetStage, TrainingStage, graphs_decision
 from resmlp.bench import bench as B
-from resmlp.bench import campaign as C
-from resmlp.bench import campaign_stages as CS
-from resmlp.bench import campaign_state as S
 from resmlp.bench import rows as R
 from resmlp.bench.bench import Context
-from resmlp.bench.campaign import REPORT_FILES, STARTED_ENV, Campaign
-from resmlp.bench.campaign_predict import measured, predict, schedule
-from resmlp.bench.report import MAX_BYTES, ReportError, write_report
-from resmlp.core.cli import main
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
 
@@ -45,7 +51,8 @@ def call(out, report, window, carried=None, kill=None):
     group; `kill`: a regex of the output at which the whole group gets SIGKILL (the tool's
     time limit). Returns (exit code, output lines, process group)."""
     env = {k: v for k, v in os.environ.items() if k != STARTED_ENV}
-    argv = [sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools"), *filter(None, [env.get("PYTHONPATH")])])
+    argv = [sys.executable, "-m", "campaign", *TINY, f"out={out}", f"campaign.report={report}",
             "campaign.call_s=600", f"campaign.window_left_s={window}",
             *([f"campaign.from_report={carried}"] if carried else [])]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -212,10 +219,10 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
 
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     cfg = load_config("campaign", None, [*TINY, f"out={tmp_path}"])
-    p, stages = CS.plan(cfg, tmp_path)
+    p, stages = plan(cfg, tmp_path)
     assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench"]
     gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
-    p, stages = CS.plan(gpu, tmp_path)
+    p, stages = plan(gpu, tmp_path)
     assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
     assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
     assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
@@ -224,9 +231,9 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
                       (["campaign.call_s=200"], "no time for the bench stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
-            CS.plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
+            plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
     # the bench stages share one bench.json; the first one asks for the S12 lines of the step and the k-NN
-    _, stages = CS.plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert by["bench_fused"].dir == by["bench"].dir == tmp_path / "bench"
     assert "bench.rows=[dino,knn]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
@@ -239,17 +246,17 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
 
 
 def test_a_stage_needs_its_whole_time_under_a_window_and_a_bench_stage_its_longest_line():
-    preset = CS.Stage("preset", [], Path("."), 150)
-    bench = CS.Stage("bench", [], Path("."), 120, line_s=150)
-    tests = CS.Stage("tests", [], Path("."), 100)
-    compare = CS.Stage("compare", [], Path("."), 150, budget_s=900, wall_s=700)
+    preset = PresetStage("preset", [], Path("."), 150, config=())
+    bench = BenchStage("bench", [], Path("."), 120, line_s=150)
+    tests = TestsStage("tests", [], Path("."), 100)
+    compare = TrainingStage("compare", [], Path("."), 150, config=(), budget_s=900, wall_s=700)
     predicted = {"need_s": 1062.0}
-    assert CS.requirement(preset, {}, True, predicted)[0] == 1062
-    assert CS.requirement(preset, {}, True, {"need_s": 40.0})[0] == 150  # never under min_start_s
-    assert CS.requirement(preset, {}, False, predicted)[0] == 150  # no window: it resumes from its checkpoint
-    assert CS.requirement(compare, {"stop_grace_s": 30}, True, predicted)[0] == 170  # its budget, to its stop
-    assert CS.requirement(bench, {}, True, None)[0] == 151
-    assert CS.requirement(tests, {}, True, None)[0] == 100
+    assert preset.requirement({}, True, predicted)[0] == 1062
+    assert preset.requirement({}, True, {"need_s": 40.0})[0] == 150  # never under min_start_s
+    assert preset.requirement({}, False, predicted)[0] == 150  # no window: it resumes from its checkpoint
+    assert compare.requirement({"stop_grace_s": 30}, True, predicted)[0] == 170  # its budget, to its stop
+    assert bench.requirement({}, True, None)[0] == 151
+    assert tests.requirement({}, True, None)[0] == 100
     assert [CS.decide(100, left, later) for left, later in ((100, 0), (99, 100), (99, 99))] == \
         ["start", "next_call", "window"]
 
@@ -339,13 +346,13 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
                                                                                 rel=1e-3)
     # the config decides: a subset, another length and evaluation cadence
     other = load_config("dino", "resmlp_s12", ["demo=false", "data.subset=30000", "epochs=50", "eval_every=5"])
-    from resmlp.bench.campaign_predict import train_images
+    from campaign.predict import train_images
     assert train_images(other, None) == 30000 and train_images(dino, 48) == 48 and train_images(dino, None) == 60000
     assert predict(schedule(other, 30000), gpu, {}, "x")["evaluations"] == 9
 
 
 def test_the_fused_stages_ask_for_the_fused_block(tmp_path):
-    _, stages = CS.plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert "bench.gpu.fused=[true]" in by["bench_fused"].argv
     assert "model.fused=true" in by["profile_preset"].argv and "model.fused=true" in by["profile_224"].argv
@@ -358,19 +365,42 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
                           "step compiled": {"ms": 40.0, "images_per_s": 12800.0}},
                "kernels_compiled": {"wall_ms": 40.2, "busy_ms": 38.1, "kernels_per_call": 812.0, "top": top}}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
-    stage = CS.Stage("profile_preset", [], tmp_path, 120, status="done")
-    stage.profile = S.profile_figures(tmp_path / "profile.json")
-    assert len(stage.profile["kernels_compiled"]["top"]) == S.PROFILE_TOP < 25
+    stage = ProfileStage("profile_preset", [], tmp_path, 120, status="done")
+    stage.profile = profile_figures(tmp_path / "profile.json")
+    assert len(stage.profile["kernels_compiled"]["top"]) == PROFILE_TOP < 25
     assert all(len(k["name"]) <= 160 for k in stage.profile["kernels_compiled"]["top"])
     assert stage.profile["phases"] == profile["phases"] and stage.profile["kernels_compiled"]["busy_ms"] == 38.1
-    line = S.describe(stage)
+    line = stage.describe()
     assert "step compiled 40.0 ms (12800 img/s)" in line and "device busy 38.1 of 40.2 ms per call" in line
     # in the stage's state, so in summary.json, and back from a carried report on a fresh machine
     fresh = tmp_path / "fresh"
-    S.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2)
-    again = CS.Stage("profile_preset", [], fresh / "profile_preset", 120)
+    RE.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2,
+               [ProfileStage("profile_preset", [], fresh / "profile_preset", 120)])
+    again = ProfileStage("profile_preset", [], fresh / "profile_preset", 120)
     again.take(S.read_state(fresh)["stages"]["profile_preset"])
     assert again.profile == stage.profile and again.status == "done"
+
+
+def test_a_stage_left_out_of_campaign_stages_keeps_its_files_in_the_report(tmp_path):
+    """A window that runs only the tests still carries the preset an earlier window cut: its
+    log comes back from the carried report, with the restart line, and goes on in the next."""
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    log = json.dumps({"epoch": 0.5, "loss": 6.0, "elapsed_s": 20.0}) + "\n"
+    (carried / "preset_log.jsonl").write_text(log)
+    state = {"profile": "tiny", "dir": str(tmp_path / "old"), "commands": {},
+             "stages": {"preset": {"status": "running", "runs": 1}}, "calls": [{"call": 1}]}
+    (carried / "summary.json").write_text(json.dumps({"state": state, "stages": [{"name": "preset",
+                                                                                 "epochs_trained": 0.5}]}))
+    out = tmp_path / "campaign"
+    c = Campaign(load_config("campaign", None, [*TINY, f"out={out}", "campaign.stages=[tests]",
+                                                f"campaign.from_report={carried}"]))
+    c.load()
+    assert [s.name for s in c.stages] == ["tests"] and "preset starts again from epoch 0" in c.restored
+    c.report(0)
+    kept = records(c.report_dir / "preset_log.jsonl")
+    assert kept[0] == json.loads(log) and kept[1]["restart"] == 2
+    assert S.read_state(out)["stages"]["preset"]["restart"] is True
 
 
 def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
@@ -382,51 +412,108 @@ def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
              "tests/test_x.py::test_c ERROR                                       [ 80%]",
              "FAILED tests/test_x.py::test_b - AssertionError: 1 != 2",
              "collecting ... collected 6 items", "ep 1/2 it 2/6 loss 6.5"]
-    said = [CS.note_test_line(line, outcomes) for line in lines]
+    said = [note_test_line(line, outcomes) for line in lines]
     assert said == [True] * 6 + [False] * 2
     assert outcomes == {"tests/test_graphs.py::test_a[False]": {"outcome": "passed"},
                         "tests/test_graphs.py::test_a[True]": {"outcome": "skipped", "message": "needs a CUDA GPU"},
                         "tests/test_x.py::test_b": {"outcome": "failed", "message": "AssertionError: 1 != 2"},
                         "tests/test_x.py::test_c": {"outcome": "error"}}
-    stage = CS.Stage("tests", ["-m", "pytest", "tests"], Path("."), 5, outcomes=outcomes)
-    argv = CS.launch(stage, {}, {}, [], None)
+    stage = TestsStage("tests", ["-m", "pytest", "tests"], Path("."), 5, outcomes=outcomes)
+    argv = stage.launch(0)
     assert argv[:3] == ["-m", "pytest", "tests"] and argv[3::2] == ["--deselect"] * 4
     assert set(argv[4::2]) == set(outcomes)
-    CS.classify(stage, 1, None)
+    stage.classify(1, None)
     assert stage.status == "done" and stage.note.startswith("2 test(s) failed")
-    CS.classify(stage, -15, "call")
+    stage.classify(-15, "call")
     assert stage.status == "cut"
 
 
 def test_the_preset_is_graphed_only_when_the_graph_tests_passed():
-    tests = CS.Stage("tests", [], Path("."), 5, status="done")
+    tests = TestsStage("tests", [], Path("."), 5, status="done")
     graph = "tests/test_graphs.py"
     tests.outcomes = {f"{graph}::test_a": {"outcome": "passed"}, f"{graph}::test_b[True]": {"outcome": "passed"},
                       "tests/test_x.py::test_c": {"outcome": "failed"}}
-    assert CS.graphs_decision(tests, graph, [])["on"] is True
+    assert graphs_decision(tests, graph, [])["on"] is True
     tests.outcomes[f"{graph}::test_c"] = {"outcome": "skipped", "message": "needs a CUDA GPU"}
-    off = CS.graphs_decision(tests, graph, [])
+    off = graphs_decision(tests, graph, [])
     assert off["on"] is False and "1 of the 3" in off["why"] and "needs a CUDA GPU" in off["why"]
-    assert CS.graphs_decision(None, graph, [])["why"].endswith("not in campaign.stages")
+    assert graphs_decision(None, graph, [])["why"].endswith("not in campaign.stages")
     tests.status = "cut"
-    assert CS.graphs_decision(tests, graph, [])["on"] is False
-    assert CS.graphs_decision(tests, graph, ["dino.cuda_graphs=false"])["on"] is None
+    assert graphs_decision(tests, graph, [])["on"] is False
+    assert graphs_decision(tests, graph, ["dino.cuda_graphs=false"])["on"] is None
     # decided once, at the preset's first start, and kept
     tests.status, tests.outcomes = "done", {f"{graph}::test_a": {"outcome": "passed"}}
-    preset = CS.Stage("preset", ["-m", "x"], Path("."), 5)
-    assert CS.launch(preset, {"tests": tests}, {"graph_tests": graph}, [], None)[-1] == "dino.cuda_graphs=true"
+    preset = PresetStage("preset", ["-m", "x"], Path("."), 5, config=(), tests=tests, graph_tests=graph)
+    assert preset.launch(0)[-1] == "dino.cuda_graphs=true"
     tests.outcomes[f"{graph}::test_a"]["outcome"] = "failed"
-    assert CS.launch(preset, {"tests": tests}, {"graph_tests": graph}, [], None)[-1] == "dino.cuda_graphs=true"
+    assert preset.launch(0)[-1] == "dino.cuda_graphs=true"
 
 
 def test_a_budget_stage_ends_when_its_budget_is_spent():
-    compare = CS.Stage("compare", [], Path("."), 5, budget_s=900)
-    CS.classify(compare, 75, "budget")
+    compare = TrainingStage("compare", [], Path("."), 5, config=(), budget_s=900)
+    compare.classify(75, "budget")
     assert compare.status == "done" and "budget of 900 s" in compare.note
-    CS.classify(compare, 75, "call")
+    compare.classify(75, "call")
     assert compare.status == "cut"
-    CS.classify(compare, 3, None)
+    compare.classify(3, None)
     assert compare.status == "failed"
+
+
+def holds_a_name(node, names: set) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in names
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(holds_a_name(e, names) for e in node.elts)
+
+
+def name_constants(source: str, names: set) -> set:
+    """The module-level constants of `source` that hold a stage's name (TRAINING = (...))."""
+    return {t.id for n in ast.parse(source).body if isinstance(n, ast.Assign) and holds_a_name(n.value, names)
+            for t in n.targets if isinstance(t, ast.Name)}
+
+
+def stage_branches(source: str, names: set, where: str = "<source>", constants: set = frozenset()) -> list:
+    """Where `source` branches on a stage's name: a comparison or a `match` case against a
+    name written out, or in a tuple, a list, a set or a module-level constant that holds one
+    (its own, or `constants` of the modules beside it). A config section or a figure may
+    share a stage's name: a look-up is no branch."""
+    tree = ast.parse(source, where)
+    constants = {*constants, *name_constants(source, names)}
+
+    def named(node) -> bool:
+        return holds_a_name(node, names)
+
+    def names_one(node) -> bool:
+        return named(node) or (isinstance(node, ast.Name) and node.id in constants)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hit = any(names_one(x) for x in (node.left, *node.comparators))
+        elif isinstance(node, ast.MatchValue):
+            hit = names_one(node.value)
+        else:
+            continue
+        if hit:
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_of_the_campaign_branches_on_a_stage_name():
+    """A stage's kind decides what it does (stages.py); its name only picks its kind
+    and keys, once, in the plan's table."""
+    names = set(OmegaConf.load(ROOT / "configs" / "method" / "campaign.yaml").limits["campaign.stages"])
+    _, stages = plan(load_config("campaign", None, ["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
+    assert {s.name for s in stages} == names  # every name has a kind
+    files = sorted(Path(C.__file__).parent.glob("*.py"))
+    assert len(files) >= 8, files
+    constants = {c for path in files for c in name_constants(path.read_text(), names)}
+    found = [f for path in files for f in stage_branches(path.read_text(), names, path.name, constants)]
+    assert not found, "\n".join(found)
+    # what the check is for: the branches the campaign once had
+    for branch in ('if stage.name == "tests":\n    pass', 'ok = stage.name in ("bench_fused", "bench")',
+                   'TRAINING = ("preset", "compare")\nif n in TRAINING:\n    pass', 'ok = "tests" != name',
+                   'match n:\n    case "preset":\n        pass'):
+        assert stage_branches(branch, names), branch
+    assert not stage_branches('d = root / "bench"\nargv = ["-m", "bench"]\nok = n == "dino"\nx = keys["preset"]', names)
 
 
 # --------------------------------------------------------------------------- the bench's lines
@@ -497,17 +584,17 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
 
 def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys):
     out = f"out={tmp_path}"
-    assert main(["campaign", "campaign.profile=nope", out]) == 2
-    assert main(["campaign", "campaign.profile=tiny", "campaign.call_s=10", out]) == 2
+    assert main(["campaign.profile=nope", out]) == 2
+    assert main(["campaign.profile=tiny", "campaign.call_s=10", out]) == 2
     assert "min_start_s.tests + stop_grace_s" in capsys.readouterr().err
-    assert main(["campaign", *TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
+    assert main([*TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["error: campaign.window_left_s=-60 is not allowed: campaign.window_left_s "
                                         "must be a number > 0 (or null)"] and not (tmp_path / "never").exists()
     state = {"commands": {"preset": ["-m", "resmlp.core.cli", "dino", "resmlp_s12", "epochs=3"]}, "stages": {},
              "calls": []}
     (tmp_path / "campaign.json").write_text(json.dumps(state))
-    assert main(["campaign", "campaign.profile=tiny", "campaign.stages=[preset]", out]) == 2
+    assert main(["campaign.profile=tiny", "campaign.stages=[preset]", out]) == 2
     err = capsys.readouterr().err
     assert "another command" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     # a carried report: of another campaign, unreadable, or the report folder itself; checked before any work
@@ -518,14 +605,14 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     for extra, says in (([f"campaign.from_report={carried}"], "another command"),
                         ([f"campaign.from_report={carried}", f"campaign.report={carried}"], "both"),
                         ([f"campaign.from_report={tmp_path}"], "cannot read its summary.json")):
-        assert main(["campaign", *TINY, "campaign.stages=[preset]", f"out={fresh}", *extra]) == 2
+        assert main([*TINY, "campaign.stages=[preset]", f"out={fresh}", *extra]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
         assert not fresh.exists()
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
-    assert main(["campaign", *TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
+    assert main([*TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
     assert "holds other things (notes.txt)" in capsys.readouterr().err and not fresh.exists()
     # none yet (the first call): a new campaign, and it says so
     c = Campaign(load_config("campaign", None, [*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))
@@ -536,6 +623,18 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
                         env={**os.environ, "RESMLP_PYTHON": sys.executable}, capture_output=True, text=True)
     assert sh.returncode == 2 and sh.stderr.strip().splitlines() == [
         "error: campaign.profile=nope is not allowed: campaign.profile must be one of gpu, tiny"], sh.stderr
+
+
+def test_the_campaign_is_a_tool_of_this_repository_not_a_command_of_the_package(tmp_path, capsys):
+    """tools/campaign measures this project; the package's own command line does not offer it,
+    and the campaign runs only where it is called (no SLURM job)."""
+    package = subprocess.run([sys.executable, "-m", "resmlp.core.cli", "campaign", *TINY], cwd=tmp_path,
+                             env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
+    assert package.returncode == 2 and "unknown command 'campaign'" in package.stderr, package.stderr
+    assert main([*TINY, "launcher=slurm", f"out={tmp_path / 'never'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: `campaign` does not read launcher (it runs here, on the machine it "
+                                        "is called on); drop launcher=slurm"] and not (tmp_path / "never").exists()
 
 
 def test_the_report_folder_keeps_to_the_limits(tmp_path):

@@ -5,22 +5,22 @@ The machines a GPU can be borrowed on give a window of device time (15 minutes f
 calls, each machine's start and idle waits included), commands of at most 10 minutes,
 forget their files half a minute after a command ends, kill a command that outruns its
 limit with everything in its process group, and hand back a few small files. So one call
-runs the stages (bench/campaign_stages.py) in campaign.stages' order until the earlier of
-`campaign.call_s` seconds (counted from run.sh's start, its set-up included) and the
-window's end (`campaign.window_left_s`, what the device tool said was left when the call
-was asked for, less a fresh machine's start and a margin), each as a subprocess in the
-campaign's own process group (a kill of the call ends it too). A stage starts only when
-what it needs fits before the call's stop signal (campaign_stages.requirement: a bench
-stage its longest line, a training stage its predicted time, bench/campaign_predict.py);
-when only a later call of the window could fit it, this call ends there; when none could,
-it is not started in this window and the call goes on with the next stage. At the call's
-end the stage in flight gets SIGTERM, which the trainers answer with a checkpoint and exit
-75 (core/preempt.py) and the bench by finishing its line. The report folder
-(campaign_state.py) is rewritten at the call's start, after every stage, bench line, k-NN
-and test, and at least every campaign.report_every_s, so a call killed at any point hands
-back what it measured. The next call continues from the campaign dir (`out`) on a warm
-machine, or from the report carried in (`campaign.from_report`) on a fresh one. A call
-prints what it did, what is left and whether to call again.
+runs the stages (plan.py) in campaign.stages' order until the earlier of `campaign.call_s`
+seconds (counted from run.sh's start, its set-up included) and the window's end
+(`campaign.window_left_s`, what the device tool said was left when the call was asked for,
+less a fresh machine's start and a margin), each as a subprocess in the campaign's own
+process group (a kill of the call ends it too). A stage starts only when what it needs fits
+before the call's stop signal (its kind's requirement, stages.py: a bench stage its longest
+line, a training stage its predicted time, predict.py); when only a later call of the
+window could fit it, this call ends there; when none could, it is not started in this
+window and the call goes on with the next stage. At the call's end the stage in flight gets
+SIGTERM, which the trainers answer with a checkpoint and exit 75 (core/preempt.py) and the
+bench by finishing its line. The report folder (report.py) is rewritten at the call's
+start, after every stage, bench line, k-NN and test, and at least every
+campaign.report_every_s, so a call killed at any point hands back what it measured. The
+next call continues from the campaign dir (`out`, state.py) on a warm machine, or from the
+report carried in (`campaign.from_report`) on a fresh one. A call prints what it did, what
+is left and whether to call again.
 
 Exit codes: 75 call again (a stage left can still run in this window), 0 nothing more to
 call for (every stage ended, or what is left needs another window), 1 the same and a stage
@@ -32,7 +32,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -41,22 +40,20 @@ import threading
 import time
 from pathlib import Path
 
-from resmlp.bench import campaign_state as S
-from resmlp.bench.campaign_predict import measured, predict, schedule, train_images
-from resmlp.bench.campaign_stages import (PROFILE, TRAINING, classify, decide, launch, note_test_line, plan,
-                                          requirement)
-from resmlp.bench.report import ReportError, write_report
-from resmlp.bench.report import problem as report_problem
-from resmlp.core import preempt
-from resmlp.core.config import CONFIG_DIR, as_list, load_config, to_dict
+from campaign import report as R
+from campaign import state as S
+from campaign.folder import ReportError, write_report
+from campaign.folder import problem as report_problem
+from campaign.plan import not_asked, plan
+from campaign.stages import decide
+from resmlp.core import cli, preempt
+from resmlp.core.config import to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 from resmlp.core.lock import RunLock
 
-ROOT = CONFIG_DIR.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the stages run there
 STARTED_ENV = "RESMLP_CAMPAIGN_STARTED"   # run.sh's start (epoch seconds): the call's clock starts there
-# stage output after which the report is rewritten: a bench line, a k-NN, a test's result
-MEASURED = re.compile(r"^\[bench\] |knn top1=")
-REPORT_FILES = S.REPORT_FILES
+REPORT_FILES = R.REPORT_FILES
 
 
 def results_dir(cfg) -> Path:
@@ -70,6 +67,7 @@ class Campaign:
         c = cfg.campaign
         self.dir = Path(str(cfg.out)).expanduser().resolve()  # the stages run from the repository root
         self.p, self.stages = plan(cfg, self.dir)
+        self.others = not_asked(cfg, self.dir, self.stages)  # their files stay in the report
         self.by_name = {s.name: s for s in self.stages}
         self.report_dir = Path(str(c.report)).expanduser() if c.report else self.dir / "report"
         self.from_report = Path(str(c.from_report)).expanduser() if c.from_report else None
@@ -79,7 +77,7 @@ class Campaign:
         if self.from_report and self.from_report.resolve() == self.report_dir.resolve():
             raise UserError(f"campaign.from_report and campaign.report are both {self.report_dir}: carry the last "
                             "report in under another name (README, 'Measuring on a GPU')")
-        self.carried = S.read_report(self.from_report)  # checked now, before any work
+        self.carried = R.read_report(self.from_report)  # checked now, before any work
         if self.carried is not None:
             S.check_same(self.carried["state"], str(c.profile), self.stages, self.dir, self.from_report)
         now = time.time()
@@ -117,7 +115,8 @@ class Campaign:
     def _load(self) -> None:
         saved = S.read_state(self.dir)
         if saved is None and self.carried is not None:
-            self.restored = S.restore(self.from_report, self.carried, self.dir, len(self.carried["state"]["calls"]) + 1)
+            self.restored = R.restore(self.from_report, self.carried, self.dir, len(self.carried["state"]["calls"]) + 1,
+                                      [*self.stages, *self.others])
             saved = S.read_state(self.dir)
         elif saved is None and self.from_report is not None:
             self.restored = f"no report in {self.from_report} to continue from: a new campaign"
@@ -129,13 +128,7 @@ class Campaign:
         self.calls = saved.get("calls", [])
 
     def state(self) -> dict:
-        saved = S.read_state(self.dir) or {}  # stages this call does not run keep what they had
-        old = saved.get("dir", str(self.dir))
-        kept = {k: [x.replace(old, str(self.dir)) for x in v] for k, v in saved.get("commands", {}).items()}
-        return {"profile": str(self.cfg.campaign.profile), "dir": str(self.dir),
-                "commands": {**kept, **{s.name: s.argv for s in self.stages}},
-                "stages": {**saved.get("stages", {}), **{s.name: s.state() for s in self.stages}},
-                "calls": self.calls}
+        return S.state(S.read_state(self.dir), str(self.cfg.campaign.profile), self.dir, self.stages, self.calls)
 
     # ---- output -----------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -148,9 +141,8 @@ class Campaign:
             self.log.write(line + "\n")
             self.log.flush()
         if stage is not None:
-            with self.guard:  # the outcomes are read by report() in the main thread
-                noted = stage.name == "tests" and note_test_line(line, stage.outcomes)
-                if noted or MEASURED.search(line):
+            with self.guard:  # what the stage keeps of its output is read by report() in the main thread
+                if stage.heard(line):
                     self.want_report = True
 
     # ---- the call ---------------------------------------------------------------------------
@@ -214,10 +206,10 @@ class Campaign:
         False: the call is over."""
         grace = float(self.p["stop_grace_s"])
         end = self.deadline
-        if stage.budget_s is not None:
-            budget_left = stage.budget_s - stage.wall_s
+        budget_left = stage.budget_left_s()
+        if budget_left is not None:
             if budget_left < stage.min_start_s + grace:
-                stage.status, stage.note = "done", f"its budget of {stage.budget_s:g} s is spent"
+                stage.status, stage.note = "done", f"its budget is spent ({stage.wall_s:.0f} s of stage time)"
                 self.say(f"{stage.name}: {stage.note}")
                 return True
             end = min(end, time.time() + budget_left)
@@ -239,17 +231,12 @@ class Campaign:
             self.say(f"{stage.name}: needs {need:.0f} s ({why}); {usable:.0f} s left in this call and at most "
                      f"{max(later, 0):.0f} s in a next call of this window: not started in this window")
             return True
-        limit = usable - stage.line_s if stage.line_s is not None else None  # >= 1: the requirement holds it
-        argv = launch(stage, self.by_name, self.p, as_list(self.cfg.campaign.preset_overrides), limit)
+        argv = stage.launch(usable)
         stage.dir.mkdir(parents=True, exist_ok=True)
-        stage.status, stage.runs = "running", stage.runs + 1
-        verb = ("starts" if stage.runs == 1 else f"starts again from epoch 0 (attempt {stage.attempt})"
-                if stage.restart else "continues")
-        stage.restart = False
-        if stage.graphs is not None:
-            self.say(f"{stage.name}: {stage.graphs['why']}")
+        verb = stage.begin()
+        if stage.start_note():
+            self.say(f"{stage.name}: {stage.start_note()}")
         self.say(f"{stage.name} {verb} (run {stage.runs}): {shlex.join(['python', *argv])}")
-        stage.note = ""
         self.report(PREEMPTED_EXIT)
         t0 = time.time()
         rc, stopped_by = self.supervise(stage, argv, end)
@@ -257,11 +244,8 @@ class Campaign:
         stage.wall_s += took
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
-        classify(stage, rc, stopped_by)
-        if stage.name in PROFILE and stage.status == "done":
-            stage.profile = S.profile_figures(stage.dir / "profile.json")
-        if stage.prediction is not None and stage.status == "done":
-            stage.prediction["took_s"] = round(took, 1)  # its whole run, against what was predicted
+        stage.classify(rc, stopped_by)
+        stage.after_run(took)
         note = f": {stage.note}" if stage.note else ""
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
         self.report(PREEMPTED_EXIT)
@@ -295,7 +279,7 @@ class Campaign:
                 hard = min(end, self.deadline)
                 now = time.time()
                 if stopped_by is None and now >= hard - grace:
-                    stopped_by = "budget" if stage.budget_s is not None and end < self.deadline else "call"
+                    stopped_by = "budget" if stage.budget_left_s() is not None and end < self.deadline else "call"
                     self.say(f"stopping the stage (SIGTERM): {'its budget' if stopped_by == 'budget' else 'the call'}"
                              f" ends in {max(0.0, hard - now):.0f} s")
                     proc.send_signal(signal.SIGTERM)
@@ -319,33 +303,9 @@ class Campaign:
 
     # ---- time --------------------------------------------------------------------------------
     def requirement(self, stage, say: bool = False) -> tuple[float, str]:
-        """campaign_stages.requirement with a training stage's prediction made now."""
-        predicted = self.predict(stage, say) if stage.name in TRAINING else None
-        return requirement(stage, self.p, self.window_end is not None, predicted)
-
-    def predict(self, stage, say: bool) -> dict | None:
-        """The stage's time from its config, and from its own log where an attempt of this
-        campaign measured a term (bench/campaign_predict.py); kept in its state."""
-        command, model, overrides = stage.config
-        cfg = load_config(command, model, overrides)
-        images = train_images(cfg, self.p.get("images"))
-        if images is None:
-            if say:
-                self.say(f"{stage.name}: no prediction of its time (the size of data={cfg.data.name} is not known "
-                         "here): min_start_s stands for it")
-            stage.prediction = None
-            return None
-        sched = schedule(cfg, images)
-        resumes = stage.status == "cut" and not stage.restart  # from its checkpoint, on this machine
-        from_epoch = float(stage.figures.get("epochs_trained", 0.0)) if resumes else 0.0
-        seen = measured(S.training_log(self.dir, stage.name), sched["images_per_epoch"], sched["eval_every"])
-        stage.prediction = predict(sched, self.p["predict"], seen, f"campaign.{self.cfg.campaign.profile}.predict",
-                                   from_epoch)
-        if say:
-            sources = sorted({f"{v}" for v in stage.prediction["from"].values()})
-            self.say(f"{stage.name}: predicted {stage.prediction['need_s']:.0f} s = {stage.prediction['text']} "
-                     f"(from {'; '.join(sources)})")
-        return stage.prediction
+        """What the stage needs to start now, with its time predicted now where its kind can."""
+        predicted = stage.predict(self.p, f"campaign.{self.cfg.campaign.profile}.predict", self.say if say else None)
+        return stage.requirement(self.p, self.window_end is not None, predicted)
 
     def next_call_s(self) -> float:
         """The most a next call could give a stage: a whole call, within what the window
@@ -376,11 +336,11 @@ class Campaign:
             self.want_report = False
             state = json.loads(json.dumps(self.state()))
             for s in self.stages:
-                s.figures = S.figures(s, self.dir)
+                s.figures = s.read_figures()
             summary = self.summary(code, state)
         S.write_state(self.dir, state)
         try:
-            write_report(self.report_dir, S.report_files(self.dir, summary))
+            write_report(self.report_dir, R.report_files(self.dir, summary, [*self.stages, *self.others]))
         except ReportError as e:
             raise UserError(f"campaign.report: {e}") from None
 
@@ -388,7 +348,7 @@ class Campaign:
         self.report(code)
         self.say("stage          status   what")
         for s in self.stages:
-            self.emit(f"  {s.name:<14} {s.status:<8} {S.describe(s)}")
+            self.emit(f"  {s.name:<14} {s.status:<8} {s.describe()}")
         left = [s.name for s in self.stages if not s.ended()]
         if code == PREEMPTED_EXIT:
             self.say(f"left: {', '.join(left)}. CALL AGAIN within 30 s (before the machine forgets this dir) "
@@ -408,8 +368,7 @@ class Campaign:
         return {"campaign": str(self.dir), "profile": str(self.cfg.campaign.profile), "exit": code,
                 "call_again": code == PREEMPTED_EXIT, "left": left,
                 "left_for_another_window": [] if code == PREEMPTED_EXIT else left,
-                "stages": [{"name": s.name, **s.state(), "budget_s": s.budget_s, "command": ["python", *s.argv],
-                            **s.figures} for s in self.stages],
+                "stages": [s.summary() for s in self.stages],
                 "calls": self.calls, "settings": to_dict(self.cfg.campaign), "state": state}
 
     def device(self) -> str:
@@ -479,3 +438,15 @@ def run(cfg) -> int:
     finally:
         lock.release()
 
+
+# Not a command of the package (core/cli.py): a tool for measuring this project, which
+# borrows the command line's config, checks and one-line errors.
+COMMAND = cli.Command("campaign.call:run", "the whole GPU measurement, one resumable call after another",
+                      writes="campaign.call:results_dir",
+                      ignores={**cli.NO_FEATURES, "launcher": "it runs here, on the machine it is called on"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m campaign [key=value ...]` (run.sh's `campaign`)."""
+    cli.COMMANDS["campaign"] = COMMAND
+    return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)])

@@ -1,5 +1,5 @@
 """How long a training stage of the campaign (the preset, compare) will take, known before it
-starts: bench/campaign.py starts one under a window only when this fits what is left of the
+starts: call.py starts one under a window only when this fits what is left of the
 call. No torch import (except for Fashion-MNIST's size).
 
     need = launch + start-up + epochs x images per epoch / rate + evaluations x eval_s + end_s

@@ -1,0 +1,5 @@
+import sys
+
+from campaign.call import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""The campaign's bench and profile stages. No torch import.
+
+A bench stage runs `bench` into the bench.json it shares with the other bench stage
+(bench.resume): its lines are kept one by one, so it may start when its longest line fits,
+under a time limit that leaves its stop signal for the line in flight, and a line one stage
+measured is not measured again by the other. A profile stage runs bench/profile.py on one
+step; its profile.json, short, goes into its state (so into summary.json: the report has no
+room for another file).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from campaign.stages import Stage
+
+PROFILE_TOP = 15        # kernels per profiled step kept in summary.json
+
+
+@dataclass(kw_only=True)
+class BenchStage(Stage):
+    line_s: float             # its longest line (none starts with less left)
+
+    @property
+    def results(self) -> Path:
+        return self.dir / "bench.json"
+
+    def continue_from_report(self, folder, figures, call):
+        if (folder / self.results.name).is_file():
+            self.results.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / self.results.name, self.results)
+        return f"{self.name} measures only the lines bench.json lacks" if self.status == "cut" else None
+
+    def requirement(self, p, window, predicted):
+        return max(self.min_start_s, self.line_s + 1), (f"its longest line, bench_line_s={self.line_s:g}, and "
+                                                        "start-up; its lines are kept one by one")
+
+    def launch(self, usable_s):
+        return [*self.argv, f"bench.time_limit_s={usable_s - self.line_s:.0f}"]  # >= 1: the requirement holds it
+
+    def heard(self, line):
+        return line.startswith("[bench] ")
+
+    def classify(self, rc, stopped_by):
+        super().classify(0 if rc == 1 else rc, stopped_by)
+        if rc == 1:
+            self.note = "some bench lines failed (bench.json has their errors)"
+
+    def figures_from_files(self):
+        if not self.results.exists():
+            return {}
+        b = json.loads(self.results.read_text())
+        status: dict = {}
+        for r in b.get("rows", []):
+            status[r["status"]] = status.get(r["status"], 0) + 1
+        return {"bench_runs": b.get("runs"), "lines": status, "left": b.get("left"),
+                "goals": [s["text"] + ("" if s["met"] is None else " [met]" if s["met"] else " [open]")
+                          for s in b.get("summary", [])]}
+
+    def report_files(self):
+        return {self.results.name: self.results}
+
+    def parts(self):
+        f = self.figures
+        return [f"bench.json (both bench stages'): lines {f['lines']}, {f.get('left') or 0} left"] if f else []
+
+
+@dataclass
+class ProfileStage(Stage):
+    profile: dict | None = None  # its profile.json, short (profile_figures)
+
+    KEPT = (*Stage.KEPT, "profile")
+
+    def after_run(self, took_s):
+        if self.status == "done":
+            self.profile = profile_figures(self.dir / "profile.json")
+
+    def parts(self):
+        prof = self.profile
+        if not prof:
+            return []
+        parts = [f"{name} {v['ms']:.1f} ms ({v['images_per_s']:.0f} img/s)" for name, v in prof["phases"].items()]
+        for key in (k for k in prof if k.startswith("kernels_")):
+            k, top = prof[key], prof[key]["top"][:1]
+            parts.append(f"{key[8:]}: device busy {k['busy_ms']:.1f} of {k['wall_ms']:.1f} ms per call, "
+                         f"{k['kernels_per_call']:.0f} kernels" + (f", top {top[0]['name'][:60]} "
+                                                                   f"{top[0]['ms_per_call']:.2f} ms" if top else ""))
+        return parts
+
+
+def profile_figures(path: Path) -> dict | None:
+    """bench/profile.py's profile.json, short: its config, the time of each phase, and per
+    profiled step the wall and device-busy time per call, the launches and the top kernels."""
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    out = {"config": r.get("config"), "phases": r.get("phases", {})}
+    for key in sorted(k for k in r if k.startswith("kernels_")):
+        k = r[key]
+        out[key] = {**{f: round(k[f], 3) for f in ("wall_ms", "busy_ms", "kernels_per_call")},
+                    "top": [{"name": x["name"][:160], "ms_per_call": round(x["ms_per_call"], 4), "count": x["count"]}
+                            for x in k["top"][:PROFILE_TOP]]}
+    return out

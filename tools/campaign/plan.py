@@ -1,0 +1,91 @@
+"""The stages a campaign runs (call.py), in campaign.stages' order: which kind each
+one is (stages.py) and with what keys from the profile's settings
+(configs/method/campaign.yaml). No torch import.
+
+  tests           the CUDA-only tests (`pytest -m cuda`)
+  preset          `dino resmlp_s12` to its last epoch, graphed when the graph tests passed
+  bench_fused     the bench lines of the goals first: the fused step (compiled, with and
+                  without graphs, at batch 64 and the largest batch) beside the reference
+                  loop, and the device k-NN
+  profile_preset  bench/profile.py on the preset's (fused) step: time per phase, top kernels
+  profile_224     the same on the 224 px step
+  bench           the rest of the bench, in the same bench.json (no line measured twice)
+  compare         the preset with campaign.compare_overrides, for compare_budget_s of stage time
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from campaign.bench import BenchStage, ProfileStage
+from campaign.stages import Stage
+from campaign.tests import TestsStage
+from campaign.training import PresetStage, TrainingStage
+from resmlp.core.config import as_list, to_dict
+from resmlp.core.errors import UserError
+
+
+def plan(cfg, campaign_dir: Path) -> tuple[dict, list[Stage]]:
+    """(the profile's settings, the stages asked for, in campaign.stages' order). The names
+    campaign.stages may hold are its `limits:` entry's; table() gives each its kind."""
+    c = cfg.campaign
+    p, kinds = table(cfg, campaign_dir)
+    names = [str(s) for s in as_list(c.stages)]
+    if not names or len(set(names)) < len(names):
+        raise UserError(f"campaign.stages={names} must name each stage once, some of {', '.join(kinds)}")
+    grace = float(p["stop_grace_s"])
+    for name in names:
+        if c.call_s <= p["min_start_s"][name] + grace:
+            raise UserError(f"campaign.call_s={c.call_s} leaves no time for the {name} stage: it must exceed "
+                            f"campaign.{c.profile}.min_start_s.{name} + stop_grace_s = "
+                            f"{p['min_start_s'][name] + grace:g} s")
+    stages = [kinds[n](n) for n in names]
+    tests = next((s for s in stages if isinstance(s, TestsStage)), None)
+    for s in stages:
+        if isinstance(s, PresetStage):
+            s.tests = tests
+    return p, stages
+
+
+def not_asked(cfg, campaign_dir: Path, stages: list[Stage]) -> list[Stage]:
+    """The stages of the other kinds: an earlier call may have run them, and their files stay
+    in the report (and come back from it) while campaign.stages leaves them out."""
+    asked = {s.name for s in stages}
+    return [make(n) for n, make in table(cfg, campaign_dir)[1].items() if n not in asked]
+
+
+def table(cfg, campaign_dir: Path) -> tuple[dict, dict]:
+    """(the profile's settings, {stage name: its maker}), each maker with its kind and keys."""
+    c = cfg.campaign
+    p = to_dict(c[c.profile])
+    d = campaign_dir
+    keys = {k: [str(x) for x in v] for k, v in p.items() if isinstance(v, list)}  # key=value lists
+    mine = [*map(str, as_list(c.preset_overrides))]
+    images = ["data=imagefolder", f"data.root={d / 'images'}"] if p.get("images") else []
+    preset = [*keys["preset"], *images, *mine]
+
+    def training(kind, name, overrides, **more):
+        config = ("dino", "resmlp_s12", overrides)
+        return kind(name, ["-m", "resmlp.core.cli", *config[:2], f"out={d / name}", *overrides], d / name,
+                    float(p["min_start_s"][name]), config=config, **more)
+
+    def bench(name, overrides):  # both bench stages share one bench.json
+        return BenchStage(name, ["-m", "resmlp.core.cli", "bench", f"out={d / 'bench'}", "bench.resume=true",
+                                 *keys["bench"], *overrides], d / "bench", float(p["min_start_s"][name]),
+                          line_s=float(p["bench_line_s"][name]))
+
+    def profile(name, overrides):
+        return ProfileStage(name, ["-m", "resmlp.bench.profile", *overrides, f"profile.out={d / name}"], d / name,
+                            float(p["min_start_s"][name]))
+
+    return p, {
+        "tests": lambda n: TestsStage(n, ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *keys["tests"]],
+                                      d / n, float(p["min_start_s"][n])),
+        "preset": lambda n: training(PresetStage, n, preset, graph_tests=str(p["graph_tests"]), user_overrides=mine),
+        "bench_fused": lambda n: bench(n, keys["bench_fused"]),
+        # the preset's own step (its model, crops and batch) and the 224 px one, each profiled
+        "profile_preset": lambda n: profile(n, [*keys["preset"], *mine, *keys["profile_preset"]]),
+        "profile_224": lambda n: profile(n, keys["profile_224"]),
+        "bench": lambda n: bench(n, keys["bench_rest"]),
+        "compare": lambda n: training(TrainingStage, n, [*preset, *map(str, as_list(c.compare_overrides))],
+                                      budget_s=float(c.compare_budget_s)),
+    }
