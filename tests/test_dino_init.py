@@ -310,7 +310,8 @@ def test_the_whole_loop_from_released_weights_on_a_folder(tmp_path):
     few = json.loads((tmp_path / "knn" / "knn.json").read_text())
     assert set(few["low_shot"]["results"]) == {"1", "2"}
     assert main(["finetune", str(run), "data=imagefolder", f"data.root={lab}", "demo=false", "epochs=1",
-                 "batch_size=4", "num_workers=0", "eval_every=0", f"out={tmp_path / 'ft'}"]) == 0
+                 "batch_size=4", "num_workers=0", "eval_every=0", "finetune.min_steps=0",
+                 f"out={tmp_path / 'ft'}"]) == 0
     assert "top1" in json.loads((tmp_path / "ft" / "results.json").read_text())
     assert main(["export", str(run), "format=timm", f"out={tmp_path / 'export'}"]) == 0
     exported = next((tmp_path / "export").glob("*_timm.pth"))
