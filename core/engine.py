@@ -446,12 +446,15 @@ class Cadence:
     """
 
     def __init__(self, run: "Run", iterations_per_epoch: int, start_it: int, results: dict, state: dict,
-                 tally: DeviceTally | None = None):
+                 tally: DeviceTally | None = None, plan: dict | None = None):
         cfg = run.cfg
-        self.run, self.ipe, self.total = run, iterations_per_epoch, cfg.epochs * iterations_per_epoch
+        plan = plan or {}  # the trainer's epochs / eval_every / ckpt_epochs where its loop runs other than cfg's
+        self.run, self.ipe = run, iterations_per_epoch
+        self.total = int(plan.get("epochs", cfg.epochs)) * iterations_per_epoch
         self.results, self.state = results, state
-        self.log_every, self.ckpt_every, self.eval_every = int(cfg.log_every), int(cfg.ckpt_every), int(cfg.eval_every)
-        self.ckpt_epochs = int(cfg.get("ckpt_epochs", 1))
+        self.log_every, self.ckpt_every = int(cfg.log_every), int(cfg.ckpt_every)
+        self.eval_every = int(plan.get("eval_every", cfg.eval_every))
+        self.ckpt_epochs = int(plan.get("ckpt_epochs", cfg.get("ckpt_epochs", 1)))
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it

@@ -21,6 +21,9 @@ FORMATS = ("timm", "official", "safetensors")
 # timm's ResMLP entry points, by (dim, depth, patch size) at 224 px
 TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (384, 36, 16): "resmlp_36_224",
               (768, 24, 8): "resmlp_big_24_224"}
+# what those entry points build, at any size: MlpMixer(**kwargs, block_layer=ResBlock, norm_layer=Affine)
+TIMM_CLASS = "timm.models.mlp_mixer.MlpMixer"
+TIMM_LAYERS = {"block_layer": "ResBlock", "norm_layer": "Affine"}
 
 
 def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None,
@@ -89,18 +92,8 @@ def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
             "data": {"name": data.get("name"), "img_size": img, "patch_size": arch.get("patch_size"),
                      "mean": data.get("mean", [0.485, 0.456, 0.406]), "std": data.get("std", [0.229, 0.224, 0.225]),
                      "crop_ratio": data.get("crop_ratio")}}
-    timm_name = TIMM_NAMES.get((arch.get("dim"), arch.get("depth"), arch.get("patch_size")))
     if fmt in ("timm", "official"):
-        kwargs = {"num_classes": 0}
-        if img != 224:
-            kwargs["img_size"] = img
-        if timm_name is None:
-            card["timm"] = None
-        else:
-            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-            card["timm"] = {"model": timm_name, "kwargs": kwargs,
-                            "load": f"timm.create_model({timm_name!r}, pretrained=True, {args}, "
-                                    f"pretrained_cfg_overlay=dict(file={str(weights.name)!r}))"}
+        card["timm"] = timm_entry(arch, img, fmt, weights.name)
     else:
         card["load"] = (f"resmlp.models.load_pretrained(resmlp.models.create_model({info['model']!r}, num_classes=0, "
                         f"**architecture), safetensors.torch.load_file({weights.name!r}))")
@@ -110,24 +103,60 @@ def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
     return card
 
 
+def timm_entry(arch: Mapping, img, fmt: str, file: str) -> dict:
+    """How timm builds this model and loads the file, for any size: timm's MlpMixer with
+    ResMLP's block and Affine (what its resmlp_* entry points build) at this model's sizes,
+    loaded strictly. timm.create_model cannot take other sizes (its entry points fix them),
+    and its pretrained=True path loads non-strictly once num_classes differs from its 1000.
+    `model`: timm's entry point of the same width, depth and patch size, where there is one."""
+    kwargs = {"num_classes": 0, "img_size": img, "patch_size": arch["patch_size"], "embed_dim": arch["dim"],
+              "num_blocks": arch["depth"], "mlp_ratio": arch.get("mlp_ratio", 4.0), "in_chans": arch.get("in_chans", 3)}
+    names = ["MlpMixer", *TIMM_LAYERS.values()] + (["checkpoint_filter_fn"] if fmt == "official" else [])
+    weights = f"torch.load({file!r}, map_location='cpu')"
+    if fmt == "official":  # timm's own converter of the official keys
+        weights = f"checkpoint_filter_fn({weights}, model)"
+    build = ", ".join([f"{k}={v!r}" for k, v in kwargs.items()] + [f"{k}={v}" for k, v in TIMM_LAYERS.items()])
+    return {"model": TIMM_NAMES.get((arch["dim"], arch["depth"], arch["patch_size"])), "class": TIMM_CLASS,
+            "kwargs": kwargs, "layers": TIMM_LAYERS,
+            "load": f"import torch; from timm.models.mlp_mixer import {', '.join(names)}; "
+                    f"model = MlpMixer({build}); model.load_state_dict({weights})"}
+
+
 def _known_knn(info: Mapping) -> dict | None:
-    """The k-NN result of the checkpoint's run, from its results.json or knn.json."""
+    """The k-NN result of the checkpoint's run, from its results.json or knn.json, with the
+    labeled set it ran on (`data`: its train split the bank, its test split the queries)."""
     if not info.get("run_dir"):
         return None
     run = Path(info["run_dir"])
     try:
         res = json.loads((run / "results.json").read_text())
         if "knn_top1" in res and (info.get("key") in (None, "teacher")):
-            return {k: res.get(k) for k in ("knn_top1", "knn_top5", "knn_k", "knn_T", "data") if k in res}
+            return {**{k: res.get(k) for k in ("knn_top1", "knn_top5", "knn_k", "knn_T") if k in res},
+                    "data": _knn_data(info.get("config") or {}, res)}
     except (OSError, ValueError):
         pass
     try:
         res = json.loads((run / "knn.json").read_text())
         if (res.get("checkpoint") or {}).get("weights_hash") == info.get("weights_hash"):
-            return {"results": res.get("results"), "protocol": res.get("protocol")}
+            data = dict(res.get("data") or {})
+            data.setdefault("root", ((res.get("config") or {}).get("data") or {}).get("root"))
+            return {"results": res.get("results"), "protocol": res.get("protocol"), "data": data}
     except (OSError, ValueError):
         pass
     return None
+
+
+def _knn_data(cfg: Mapping, results: Mapping) -> dict:
+    """The labeled set a training run's k-NN read: `eval.data` (its root and subset) when
+    the run named one, else its training set (resmlp.data.datasets.eval_data)."""
+    judge = cfg.get("eval") or {}
+    if judge.get("data"):
+        src = {"name": judge["data"], "root": judge.get("root"), "subset": judge.get("subset")}
+    else:
+        data = cfg.get("data") or {}
+        src = {"name": results.get("eval_data") or data.get("name") or results.get("data"),
+               "root": data.get("root"), "subset": data.get("subset")}
+    return {**src, "bank": "train split", "queries": "test split"}
 
 
 def results_dir(cfg) -> Path | None:

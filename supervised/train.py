@@ -165,11 +165,36 @@ def check_inputs(cfg) -> None:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
 
 
-def demo_text(cfg, n_images: int) -> str:
+def step_budget(cfg, n_images: int, ipe: int) -> tuple[dict, str | None]:
+    """The loop's epochs, warm-up, evaluation and checkpoint cadence (in epochs), and the
+    line that says why they differ from cfg's, or None.
+
+    Fine-tuning a set so small that cfg.epochs make fewer than finetune.min_steps optimizer
+    steps trains that many steps instead: the epochs grow, and the warm-up, evaluations and
+    checkpoints with them, so the schedule keeps its shape. The config stays as asked (its
+    config.yaml, what a rerun compares); results.json says what ran."""
+    plan = {"epochs": int(cfg.epochs), "warmup_epochs": float(cfg.optim.warmup_epochs),
+            "eval_every": int(cfg.eval_every), "ckpt_epochs": int(cfg.get("ckpt_epochs", 1))}
+    least = int(cfg.finetune.min_steps) if cfg.command == "finetune" else 0
+    asked = plan["epochs"] * ipe
+    if asked >= least:
+        return plan, None
+    epochs = -(-least // ipe)
+    stretch = epochs / plan["epochs"]
+    plan.update(epochs=epochs, warmup_epochs=plan["warmup_epochs"] * stretch,
+                eval_every=max(1, round(plan["eval_every"] * stretch)) if plan["eval_every"] else 0,
+                ckpt_epochs=max(1, round(plan["ckpt_epochs"] * stretch)))
+    return plan, (f"{n_images} training images make {ipe} steps of batch {cfg.batch_size} an epoch: {cfg.epochs} "
+                  f"epochs would be {asked} optimizer steps, under finetune.min_steps={least}; training {epochs} "
+                  f"epochs ({epochs * ipe} steps, warm-up and evaluations stretched alike; finetune.min_steps=0 keeps "
+                  f"{cfg.epochs})")
+
+
+def demo_text(cfg, n_images: int, epochs: int) -> str:
     from resmlp.models import list_models
     size = (f" (dim {cfg.model.dim}, depth {cfg.model.depth})"
             if cfg.model.name in list_models() and cfg.model.dim else "")
-    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=n_images, e=cfg.epochs)
+    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=n_images, e=epochs)
     a = cfg.aug
     light = not a.auto_augment and not (a.mixup or a.cutmix)
     return (f"CPU demo: {what}, to show the pipeline learns"
@@ -181,12 +206,12 @@ def demo_text(cfg, n_images: int) -> str:
             "demo=false forces it here.")
 
 
-def describe_run(cfg, run, n_params: int, n_images: int, n_classes: int, ipe: int, base_lr: float) -> str:
+def describe_run(cfg, run, n_params: int, n_images: int, n_classes: int, epochs: int, ipe: int, base_lr: float) -> str:
     what = ("from scratch" if cfg.command == "supervised" else f"fine-tuned from {cfg.checkpoint}"
             if cfg.command == "finetune" else f"distilled ({cfg.distill.type}) from {cfg.distill.teacher}")
     decay = layer_decay(cfg)
     return (f"{cfg.command} {cfg.model.name} ({n_params / 1e6:.2f}M params) {what} on {cfg.data.name}: "
-            f"{n_images} images, {n_classes} classes, {cfg.epochs} epochs x {ipe} iterations, global batch "
+            f"{n_images} images, {n_classes} classes, {epochs} epochs x {ipe} iterations, global batch "
             f"{cfg.batch_size} on {run.world_size} x {run.device.type}, {cfg.optim.opt} lr {base_lr:.2e}"
             + (f", layer decay {decay}" if decay else "") + f", run dir {run.dir}")
 
@@ -215,24 +240,28 @@ def train(cfg):
     n_classes = require_classes(cfg.data, f"{cfg.command}'s top-1")
     dataset, loader, sampler = build_train_data(cfg, run)
     ipe = sampler.batches_per_epoch
+    plan, stretched = step_budget(cfg, len(dataset), ipe)
+    E = plan["epochs"]
     if demo:
-        run.print(demo_text(cfg, len(dataset)) + (f" ({fitted})" if fitted else ""))
+        run.print(demo_text(cfg, len(dataset), E) + (f" ({fitted})" if fitted else ""))
+    if stretched:
+        run.print(stretched)
     test_loader = build_test_loader(cfg, run)
 
     # ---- the step: networks, mixup, loss, EMA, optimizer; the lr schedule per iteration ----
     model, teacher, info = build_networks(cfg, n_classes, device)
     n_params = sum(p.numel() for p in model.parameters())
     step = build_supervised_step(cfg, model, teacher, n_classes, run)
-    E, o = cfg.epochs, cfg.optim
+    o = cfg.optim
     base_lr = scaled_lr(o, cfg.batch_size)
-    lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, o.warmup_epochs, o.warmup_lr)
+    lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, plan["warmup_epochs"], o.warmup_lr)
 
     # ---- resume ---------------------------------------------------------------------------------
     state = {"model": model, "optimizer": step.optimizer, "ema": step.ema, "scaler": run.scaler}
     start_it, results = run.restore(**state)
     results.setdefault("history", [])
-    cadence = Cadence(run, ipe, start_it, results, {**state, "num_classes": n_classes}, tally=step.tally)
-    run.print(describe_run(cfg, run, n_params, len(dataset), n_classes, ipe, base_lr))
+    cadence = Cadence(run, ipe, start_it, results, {**state, "num_classes": n_classes}, tally=step.tally, plan=plan)
+    run.print(describe_run(cfg, run, n_params, len(dataset), n_classes, E, ipe, base_lr))
 
     # ---- the loop ---------------------------------------------------------------------------------
     it = start_it
@@ -273,7 +302,7 @@ def train(cfg):
     final = report_test_split(run, step, test_loader, E)
     results["history"] = [h for h in results["history"] if h["epoch"] != E] + [final]
     run.log({k: v for k, v in final.items()}, step=it)
-    summary = run.finish(summarize(cfg, results["history"], final, demo, n_params, n_classes, len(dataset),
+    summary = run.finish(summarize(cfg, E, ipe, results["history"], final, demo, n_params, n_classes, len(dataset),
                                    cadence.timing_report()["train_images_per_s"], run, info, step.ema))
     if run.is_main:
         print(f"{cfg.command} top1={final['top1']:.2f} top5={final['top5']:.2f} (best top1={summary['best_top1']:.2f} "
@@ -282,18 +311,21 @@ def train(cfg):
     return run, model, summary
 
 
-def summarize(cfg, history: list[dict], final: dict, demo: bool, n_params: int, n_classes: int, n_images: int,
-              images_per_s: float | None, run, info: dict, ema) -> dict:
-    """results.json of a finished run (run.finish adds the wall time and the device)."""
+def summarize(cfg, epochs: int, ipe: int, history: list[dict], final: dict, demo: bool, n_params: int, n_classes: int,
+              n_images: int, images_per_s: float | None, run, info: dict, ema) -> dict:
+    """results.json of a finished run (run.finish adds the wall time and the device):
+    `epochs` and `steps` as trained (step_budget)."""
     best = max(history, key=lambda h: h["top1"])
-    return {"command": cfg.command, "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
+    return {"command": cfg.command, "model": cfg.model.name, "data": cfg.data.name, "epochs": epochs,
+            "steps": epochs * ipe,
             "demo": demo, "params": n_params, "num_classes": n_classes, "train_images": n_images,
             "batch_size": cfg.batch_size, "top1": final["top1"], "top5": final["top5"], "n_test": final["n_test"],
-            "best_top1": best["top1"], "best_epoch": best["epoch"], "last_epoch": cfg.epochs,
+            "best_top1": best["top1"], "best_epoch": best["epoch"], "last_epoch": epochs,
             "images_per_s": round(images_per_s, 1) if images_per_s else None,
             **run.memory_mb(), **info,
             **({"ema_top1": final["ema_top1"], "ema_top5": final["ema_top5"]} if ema is not None else {}),
-            **({"layer_decay": cfg.finetune.layer_decay} if cfg.command == "finetune" else {}),
+            **({"layer_decay": cfg.finetune.layer_decay, "min_steps": cfg.finetune.min_steps}
+               if cfg.command == "finetune" else {}),
             **({"distill_type": cfg.distill.type} if cfg.command == "distill" else {})}
 
 

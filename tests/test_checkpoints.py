@@ -73,13 +73,52 @@ def test_official_and_safetensors_exports_load_back(tmp_path):
     load_pretrained(ours, sd)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), student(x))
-    assert json.loads(card.read_text())["timm"] is None  # dim 32: no timm entry point of that size
+    timm_card = json.loads(card.read_text())["timm"]  # dim 32: no timm entry point of that size, its class
+    assert timm_card["model"] is None and "checkpoint_filter_fn(torch.load(" in timm_card["load"]
     weights, card = export(run, "safetensors")
     assert weights.suffix == ".safetensors" and weights.parent == run / "export"
     ours = create_model("resmlp_s12", num_classes=0, img_size=32, patch_size=4, dim=32, depth=2).eval()
     load_pretrained(ours, load_file(str(weights)))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), teacher(x))
+
+
+@pytest.mark.parametrize("fmt", ["timm", "official"])
+def test_an_export_of_another_size_loads_back_through_its_cards_timm_entry(tmp_path, monkeypatch, fmt):
+    """A 64-dim, 4-deep model at 32 px (no timm entry point of that size) from a run that
+    trained on unlabeled images and was judged on a labeled set: the card's own timm line
+    builds timm's MlpMixer and loads every key strictly, with our outputs; its k-NN names
+    the labeled set it ran on."""
+    run, teacher, _ = dino_run(tmp_path, img_size=32, patch_size=4, dim=64, depth=4)
+    ckpt = torch.load(run / "checkpoint.pth", weights_only=False)
+    ckpt["config"].update(data={**ckpt["config"]["data"], "name": "folder", "root": "/photos"},
+                          eval={"data": "imagefolder", "root": "/labeled", "subset": None})
+    save_checkpoint(run / "checkpoint.pth", ckpt)
+    (run / "results.json").write_text(json.dumps({"knn_top1": 40.2, "knn_top5": 80.0, "knn_k": 20, "knn_T": 0.07,
+                                                  "data": "folder", "eval_data": "imagefolder"}))
+    weights, card_path = export(run, fmt)
+    card = json.loads(card_path.read_text())
+    entry = card["timm"]
+    assert entry["model"] is None and entry["class"] == "timm.models.mlp_mixer.MlpMixer"
+    assert entry["kwargs"] == {"num_classes": 0, "img_size": 32, "patch_size": 4, "embed_dim": 64, "num_blocks": 4,
+                               "mlp_ratio": 4.0, "in_chans": 3}
+    assert card["knn"]["data"]["name"] == "imagefolder" and card["knn"]["data"]["root"] == "/labeled"
+    assert card["data"]["name"] == "folder"  # the normalization's: the training data's
+    monkeypatch.chdir(weights.parent)  # the line names the file as the card does, beside it
+    scope = {}
+    exec(entry["load"], scope)  # its load_state_dict is strict: a key left out or over raises
+    assert "strict=False" not in entry["load"]
+    theirs = scope["model"].eval()
+    # the README's snippet: the class with the card's kwargs
+    from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+    readme = MlpMixer(**entry["kwargs"], block_layer=ResBlock, norm_layer=Affine).eval()
+    if fmt == "timm":
+        readme.load_state_dict(torch.load(weights.name))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), teacher(x), rtol=1e-4, atol=1e-5)
+        if fmt == "timm":
+            torch.testing.assert_close(readme(x), teacher(x), rtol=1e-4, atol=1e-5)
 
 
 def test_export_refuses_what_has_no_counterpart(tmp_path, capsys):

@@ -214,7 +214,8 @@ def test_supervised_loop_stops_on_sigusr1_and_resumes_to_the_same_weights(tmp_pa
         assert made.returncode == 0, made.stderr[-2000:]
         args = ["distill", "resmlp_s12", *SUPERVISED, f"teacher={teacher}"]
     else:  # fine-tuning the tiny DINO run (the model and data come from it)
-        args = ["finetune", str(uninterrupted), *[a for a in SUPERVISED if not a.startswith("model.")]]
+        args = ["finetune", str(uninterrupted), *[a for a in SUPERVISED if not a.startswith("model.")],
+                "finetune.min_steps=0"]  # the epochs as given: TOTAL steps
     whole = subprocess.run(cli(*args, f"out={tmp_path / 'whole'}"), cwd=ROOT, capture_output=True, text=True,
                            timeout=900)
     assert whole.returncode == 0, whole.stderr[-2000:]

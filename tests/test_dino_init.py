@@ -310,12 +310,15 @@ def test_the_whole_loop_from_released_weights_on_a_folder(tmp_path):
     few = json.loads((tmp_path / "knn" / "knn.json").read_text())
     assert set(few["low_shot"]["results"]) == {"1", "2"}
     assert main(["finetune", str(run), "data=imagefolder", f"data.root={lab}", "demo=false", "epochs=1",
-                 "batch_size=4", "num_workers=0", "eval_every=0", f"out={tmp_path / 'ft'}"]) == 0
+                 "batch_size=4", "num_workers=0", "eval_every=0", "finetune.min_steps=0",
+                 f"out={tmp_path / 'ft'}"]) == 0
     assert "top1" in json.loads((tmp_path / "ft" / "results.json").read_text())
     assert main(["export", str(run), "format=timm", f"out={tmp_path / 'export'}"]) == 0
     exported = next((tmp_path / "export").glob("*_timm.pth"))
-    twin = MlpMixer(num_classes=0, img_size=16, patch_size=4, num_blocks=2, embed_dim=16, mlp_ratio=4,
-                    block_layer=ResBlock, norm_layer=Affine).eval()
+    card = json.loads(exported.with_suffix(".json").read_text())
+    assert card["knn"]["data"]["name"] == "imagefolder" and card["knn"]["data"]["root"] == str(lab)
+    assert card["knn"]["knn_top1"] == res["knn_top1"] and card["data"]["name"] == "folder"
+    twin = MlpMixer(**card["timm"]["kwargs"], block_layer=ResBlock, norm_layer=Affine).eval()  # README's snippet
     twin.load_state_dict(torch.load(exported))
     ours, _ = load_backbone(str(run))
     x = torch.randn(2, 3, 16, 16)

@@ -168,7 +168,7 @@ def test_finetune_starts_from_the_checkpoint_teacher(tmp_path):
     # as `bash run.sh finetune <dir>` builds it: model and data from the checkpoint's config
     cfg = load_config("finetune", None, ["num_workers=0", "eval_limit=200", "batch_size=32", "demo=false",
                                          "eval_every=0", "epochs=1", "finetune.layer_decay=0.75",
-                                         f"checkpoint={dino_dir}", f"out={tmp_path / 'ft'}"],
+                                         "finetune.min_steps=12", f"checkpoint={dino_dir}", f"out={tmp_path / 'ft'}"],
                       base=saved_config(str(dino_dir)))
     assert cfg.model.dim == 32 and cfg.model.depth == 2 and cfg.data.subset == 128
     model, teacher, info = build_networks(cfg, 10, torch.device("cpu"))
@@ -187,6 +187,33 @@ def test_finetune_starts_from_the_checkpoint_teacher(tmp_path):
     assert scale[id(named["patch_embed.proj.weight"])] == pytest.approx(0.75 ** 3)
     _, _, res = train(cfg)
     assert res["init"]["checkpoint"] == str(dino_dir) and res["layer_decay"] == 0.75
+    # 128 images in batches of 32: 1 epoch is 4 steps, under finetune.min_steps=12: 3 epochs ran,
+    # as the log's iterations say; config.yaml keeps what was asked (what a rerun compares)
+    assert (res["epochs"], res["steps"], res["min_steps"]) == (3, 12, 12)
+    assert max(r.get("iteration", 0) for r in log_records(tmp_path / "ft")) == 12
+    assert OmegaConf.load(tmp_path / "ft" / "config.yaml").epochs == 1
+
+
+@pytest.mark.parametrize("demo", ["true", "false"])
+def test_the_finetune_default_gives_a_small_labeled_set_its_minimum_of_steps(demo):
+    """500 labeled images, the default budget (the CPU demo's and the GPU preset's): the
+    schedule the trainer makes holds at least finetune.min_steps optimizer steps, with the
+    fewest epochs that reach it and the warm-up in proportion; a large set keeps its epochs."""
+    from resmlp.core.schedules import cosine_schedule
+    from resmlp.data.resumable import EpochSampler
+    from resmlp.supervised.train import step_budget
+    cfg = load_config("finetune", "resmlp_s12", [f"demo={demo}", "checkpoint=x"])
+    least = cfg.finetune.min_steps
+    ipe = EpochSampler(500, cfg.batch_size, world_size=1, rank=0).batches_per_epoch
+    assert least > 0 and cfg.epochs * ipe < least   # the asked epochs alone fall short
+    plan, line = step_budget(cfg, 500, ipe)
+    lr = cosine_schedule(1.0, 0.0, plan["epochs"], ipe, plan["warmup_epochs"])
+    assert len(lr) >= least and (plan["epochs"] - 1) * ipe < least
+    assert plan["warmup_epochs"] / plan["epochs"] == pytest.approx(cfg.optim.warmup_epochs / cfg.epochs)
+    assert f"under finetune.min_steps={least}; training {plan['epochs']} epochs" in line and "\n" not in line
+    ipe = EpochSampler(60000, cfg.batch_size, world_size=1, rank=0).batches_per_epoch
+    assert step_budget(cfg, 60000, ipe) == ({"epochs": cfg.epochs, "warmup_epochs": cfg.optim.warmup_epochs,
+                                              "eval_every": cfg.eval_every, "ckpt_epochs": cfg.ckpt_epochs}, None)
 
 
 @needs_data

@@ -127,6 +127,7 @@ def test_compare_refuses_them_before_its_first_path_trains(tmp_path, capsys, mon
     (["dino", "resmlp_s12", "epochs=99999999999999999999"], "epochs must be a whole number in [1, 10000]"),
     (["dino", "resmlp_s12", "batch_size=99999999999999999999"], "at most 9223372036854775807"),
     (["linear", RANDOM, "linear.epochs=10001"], "linear.epochs must be a whole number in [1, 10000]"),
+    (["finetune", RANDOM, "finetune.min_steps=-1"], "finetune.min_steps must be a whole number in [0, 10000000]"),
 ])
 def test_typos_and_numbers_past_what_the_code_holds_are_one_line(argv, says, tmp_path, capsys, monkeypatch):
     assert says in refused(argv, tmp_path, capsys, monkeypatch)
