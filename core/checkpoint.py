@@ -137,7 +137,8 @@ def check_writable(directory: str | os.PathLike, what: str, fix: str) -> None:
         raise UserError(f"cannot write {what} to {directory} ({problem}); {fix}")
 
 
-def resolve_checkpoint_path(spec: str | os.PathLike, alternatives: str = "a checkpoint file or a run directory") -> Path:
+def resolve_checkpoint_path(spec: str | os.PathLike,
+                            alternatives: str = "a checkpoint file or a run directory") -> Path:
     """A checkpoint file, or a run directory holding checkpoint.pth; `alternatives`: what a
     missing one's message says to pass instead (resmlp.core.weights: timm's weights too)."""
     path = Path(spec).expanduser()

@@ -143,7 +143,7 @@ def results_dir(cfg) -> Path | None:
 
 def run(cfg) -> int:
     """bash run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student] [out=...]"""
-    weights, card = export(WeightsSpec.parse(cfg.checkpoint), str(cfg.export.format), str(cfg.features.key), cfg.out,
-                           replace=bool(cfg.out_ok))
+    weights, card = export(WeightsSpec.parse(cfg.checkpoint), str(cfg.export.format), str(cfg.features.key),
+                           cfg.out, replace=bool(cfg.out_ok))
     print(f"wrote {weights}\nwrote {card}", flush=True)
     return 0

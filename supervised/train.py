@@ -111,8 +111,8 @@ def build_networks(cfg, n_classes: int, device):
         info["init"] = init_from_checkpoint(model, cfg)
     if cfg.command == "distill":
         d = cfg.distill
-        teacher, info["teacher"] = load_teacher(WeightsSpec.parse(d.teacher), n_classes, cfg.data.name, cfg.data.img_size, device,
-                                                teacher_model=d.teacher_model)
+        teacher, info["teacher"] = load_teacher(WeightsSpec.parse(d.teacher), n_classes, cfg.data.name,
+                                                cfg.data.img_size, device, teacher_model=d.teacher_model)
     return model.to(device), teacher, info
 
 
