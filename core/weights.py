@@ -104,8 +104,11 @@ class WeightsSpec:
 
     def saved_config(self) -> dict | None:
         """The config this project's checkpoint or run dir was trained with (None: timm's,
-        or a file without one)."""
-        return None if self.is_timm else saved_config(self.text)
+        or a file without one). A run dir may keep it in config.yaml; a missing file is named
+        as `file` names it."""
+        if self.is_timm:
+            return None
+        return saved_config(self.text if self.path.is_dir() else self.file)
 
 
 __all__ = ["ANY", "FLAGS", "FORMS", "WeightsSpec", "names_timm", "timm_spec"]

@@ -62,6 +62,8 @@ def test_paths_resolve_to_the_checkpoint_file_when_asked(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"checkpoint .*gone.pth does not exist; pass a checkpoint file, a run dir "
                                         r"or timm:<name>$"):
         gone.file
+    with pytest.raises(UserError, match=r"gone.pth does not exist; pass a checkpoint file, a run dir or timm:<name>$"):
+        gone.saved_config()     # what the command line reads first
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="is a directory without checkpoint.pth"):
         WeightsSpec.parse(tmp_path / "empty").file
