@@ -137,8 +137,10 @@ def check_writable(directory: str | os.PathLike, what: str, fix: str) -> None:
         raise UserError(f"cannot write {what} to {directory} ({problem}); {fix}")
 
 
-def resolve_checkpoint_path(spec: str | os.PathLike) -> Path:
-    """A checkpoint file, or a run directory holding checkpoint.pth."""
+def resolve_checkpoint_path(spec: str | os.PathLike,
+                            alternatives: str = "a checkpoint file or a run directory") -> Path:
+    """A checkpoint file, or a run directory holding checkpoint.pth; `alternatives`: what a
+    missing one's message says to pass instead (resmlp.core.weights: timm's weights too)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / CHECKPOINT_NAME
@@ -146,8 +148,7 @@ def resolve_checkpoint_path(spec: str | os.PathLike) -> Path:
             raise UserError(f"{spec} is a directory without {CHECKPOINT_NAME}; "
                             "pass a run directory of this project or a checkpoint file")
     if not path.exists():
-        raise UserError(f"checkpoint {spec} does not exist; pass a checkpoint file, a run directory "
-                        "or timm:<model name>")
+        raise UserError(f"checkpoint {spec} does not exist; pass {alternatives}")
     if path.is_dir():  # a run dir whose checkpoint.pth is itself a folder
         raise UserError(f"{path} is a folder, not a checkpoint file; pass a checkpoint file or a run directory "
                         f"whose {CHECKPOINT_NAME} is one")
@@ -169,10 +170,8 @@ def load_checkpoint(spec: str | os.PathLike, map_location="cpu") -> dict:
     return obj
 
 
-def saved_config(checkpoint: str) -> dict | None:
+def saved_config(checkpoint: str | os.PathLike) -> dict | None:
     """The config a project checkpoint or run dir was trained with, if any."""
-    if checkpoint.startswith("timm:"):
-        return None
     path = Path(checkpoint).expanduser()
     if path.is_dir() and (path / "config.yaml").exists():
         from omegaconf import OmegaConf

@@ -12,9 +12,10 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from resmlp.core import preempt
-from resmlp.core.checkpoint import check_writable, saved_config
+from resmlp.core.checkpoint import check_writable
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
 from resmlp.core.outdir import check_cache_dir, check_out_dir, shown
+from resmlp.core.weights import FORMS, WeightsSpec
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,8 @@ def build(argv: list[str]):
             check_model(model, name)
     elif cmd.positional == "checkpoint":
         if positional is None:
-            raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} <checkpoint | run dir | timm:<name>>")
-        base = saved_config(positional)
+            raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} {FORMS}")
+        base = WeightsSpec.parse(positional).saved_config()
         extra = [f"checkpoint={positional}"]
     elif positional is not None:
         raise UserError(f"`{name}` takes only key=value arguments, not {positional!r}")

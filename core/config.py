@@ -16,8 +16,8 @@ file says about its keys; they are taken out before anything else reads the conf
     moved:    old key -> the key that replaced it (naming the old one is an error)
     paths:    key -> what file or folder it names; a relative value is made absolute against
               the folder the command was started in, so that the saved config.yaml means
-              the same files from wherever the run is resumed or evaluated (`timm:` specs
-              and null stay as they are)
+              the same files from wherever the run is resumed or evaluated (timm's weights,
+              core/weights.py, and null stay as they are)
 A method file's sections add to those of the method it extends and of defaults.yaml.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from resmlp.core.errors import UserError
+from resmlp.core.weights import names_timm
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # What of a run's data section describes its network's input: carried over to an evaluation
@@ -186,7 +187,7 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
 def _absolute_paths(cfg: DictConfig, paths: Iterable[str]) -> None:
     for key in paths:
         value = OmegaConf.select(cfg, key, default=None)
-        if isinstance(value, str) and value and not value.startswith("timm:"):
+        if isinstance(value, str) and value and not names_timm(value):
             full = os.path.abspath(os.path.expanduser(value))
             if full != value:
                 OmegaConf.update(cfg, key, full)

@@ -17,10 +17,11 @@ import torch
 import torch.nn as nn
 
 from resmlp.core import dist
-from resmlp.core.checkpoint import check_writable, resolve_checkpoint_path
+from resmlp.core.checkpoint import check_writable
 from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
 from resmlp.core.report import write_json
+from resmlp.core.weights import ANY, WeightsSpec
 from resmlp.eval.features import amp_dtype_from_precision, default_cache_dir, features_for
 from resmlp.models.load import describe, load_backbone
 
@@ -52,11 +53,10 @@ def output_dir(cfg, info: dict, sub: str | None = None) -> Path:
 
 def results_dir(cfg, sub: str | None = None) -> Path:
     """output_dir before anything is loaded: where this command's reports will go."""
-    spec = str(cfg.checkpoint or "")
-    if spec.startswith("timm:"):
-        info = {"model": spec[len("timm:"):].partition("?")[0]}
-    else:
-        info = {"path": str(resolve_checkpoint_path(spec))} if spec else {}
+    if not cfg.checkpoint:
+        return output_dir(cfg, {}, sub)
+    spec = WeightsSpec.parse(cfg.checkpoint)
+    info = {"model": spec.timm_name} if spec.is_timm else {"path": str(spec.file)}
     return output_dir(cfg, info, sub)
 
 
@@ -64,9 +64,10 @@ def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) ->
     """Join torchrun if any; load cfg.checkpoint (network features.key) onto this process's
     device (or `device`)."""
     if not cfg.checkpoint:
-        raise UserError("no checkpoint given: pass a checkpoint file, a run dir or timm:<name>")
+        raise UserError(f"no checkpoint given: pass {ANY}")
+    spec = WeightsSpec.parse(cfg.checkpoint)
     dev = dist.setup(cfg.device) if device is None else torch.device(device)
-    model, info = load_backbone(cfg.checkpoint, key=cfg.features.key, device=dev,
+    model, info = load_backbone(spec, key=cfg.features.key, device=dev,
                                 pretrained=bool(cfg.features.pretrained), img_size=cfg.data.img_size)
     amp = amp_dtype_from_precision(cfg.precision, dev)
     log(f"backbone: {describe(info)}")

@@ -6,14 +6,16 @@ and leave in timm's or the official keys through resmlp.models.convert.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from resmlp.core.checkpoint import atomic_write, resolve_checkpoint_path
+from resmlp.core.checkpoint import atomic_write
 from resmlp.core.errors import UserError
 from resmlp.core.report import write_json
+from resmlp.core.weights import WeightsSpec
 from resmlp.models import export_state_dict
 from resmlp.models.load import load_backbone
 
@@ -26,7 +28,7 @@ TIMM_CLASS = "timm.models.mlp_mixer.MlpMixer"
 TIMM_LAYERS = {"block_layer": "ResBlock", "norm_layer": "Affine"}
 
 
-def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None,
+def export(spec: WeightsSpec | str | os.PathLike, fmt: str = "timm", key: str = "teacher", out: str | None = None,
            replace: bool = False) -> tuple[Path, Path]:
     """Write the backbone of `spec` (DINO: its `key` network) for use outside this project,
     and a JSON beside it that says what it is and how to load it. Returns both paths. An
@@ -41,6 +43,7 @@ def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None
     """
     if fmt not in FORMATS:
         raise UserError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    spec = WeightsSpec.parse(spec)
     model, info = load_backbone(spec, key=key, pretrained=False)
     if not info["is_resmlp"]:
         raise UserError(f"{spec} is a timm {info['model']}: it is a timm model already, nothing to export")
@@ -160,16 +163,16 @@ def _knn_data(cfg: Mapping, results: Mapping) -> dict:
 
 
 def results_dir(cfg) -> Path | None:
-    """Where run() writes: out=, else export/ beside the checkpoint (a timm:<name> is refused later)."""
+    """Where run() writes: out=, else export/ beside the checkpoint (timm's weights are refused later)."""
     if cfg.out:
         return Path(cfg.out)
-    spec = str(cfg.checkpoint)
-    return None if spec.startswith("timm:") else resolve_checkpoint_path(spec).parent / "export"
+    spec = WeightsSpec.parse(cfg.checkpoint)
+    return None if spec.is_timm else spec.file.parent / "export"
 
 
 def run(cfg) -> int:
     """bash run.sh export <checkpoint | run dir> [format=timm|official|safetensors] [key=student] [out=...]"""
-    weights, card = export(cfg.checkpoint, str(cfg.export.format), str(cfg.features.key), cfg.out,
-                           replace=bool(cfg.out_ok))
+    weights, card = export(WeightsSpec.parse(cfg.checkpoint), str(cfg.export.format), str(cfg.features.key),
+                           cfg.out, replace=bool(cfg.out_ok))
     print(f"wrote {weights}\nwrote {card}", flush=True)
     return 0

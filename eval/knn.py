@@ -24,8 +24,7 @@ import torch
 
 from resmlp.core.errors import UserError
 from resmlp.eval import low_shot
-from resmlp.eval.knn_search import BACKENDS, _as_tensor, backend_name, check_ks, knn_search
-from resmlp.eval.knn_search import faiss_gpu_works, query_neighbours, resolve_backend  # noqa: F401 - callers of eval.knn
+from resmlp.eval.knn_search import BACKENDS, as_tensor, backend_name, check_ks, knn_search
 
 
 def check_temperature(temperature) -> float:
@@ -41,7 +40,7 @@ def check_temperature(temperature) -> float:
 
 
 def _labels(y, n: int, num_classes: int, name: str) -> torch.Tensor:
-    y = _as_tensor(y, name, torch.int64).reshape(-1)
+    y = as_tensor(y, name, torch.int64).reshape(-1)
     if y.shape[0] != n:
         raise UserError(f"{name} has {y.shape[0]} labels for {n} features")
     if n and (int(y.min()) < 0 or int(y.max()) >= num_classes):

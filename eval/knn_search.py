@@ -73,7 +73,9 @@ def pass_rows(kc: int, budget: int) -> int:
 
 # --------------------------------------------------------------------------- inputs
 
-def _as_tensor(x, name: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
+def as_tensor(x, name: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """`x` (a numpy array, a tensor or anything numpy reads) as a tensor of `dtype` on `device`;
+    a UserError naming `name` for anything else. The k-NN's labels go through it too."""
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(x))
     elif not isinstance(x, torch.Tensor):
@@ -86,7 +88,7 @@ def _as_tensor(x, name: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
 
 def _features(x, name: str, device="cpu") -> torch.Tensor:
     """Raw features as float32 on `device`, checked."""
-    x = _as_tensor(x, name, device=device)
+    x = as_tensor(x, name, device=device)
     if x.ndim != 2:
         raise UserError(f"{name} must be 2-D (n, dim), got shape {tuple(x.shape)}")
     if x.shape[0] == 0:

@@ -9,7 +9,8 @@
 Run state (optimizer, RNG, resume) is written and read by resmlp.core.checkpoint;
 this module reads the weights out of such files and out of everyone else's.
 
-Accepted `spec`s:
+Accepted `spec`s (resmlp.core.weights.WeightsSpec parses them; each entry point takes the
+parsed spec or its text):
     <run dir>                  this project's run directory (reads <run dir>/checkpoint.pth)
     <file>                     a torch file holding one of
         - this project's DINO checkpoint: {'format': 'resmlp-ssl', 'config': {...},
@@ -38,15 +39,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from resmlp.core.checkpoint import FORMAT, load_checkpoint, resolve_checkpoint_path
+from resmlp.core.checkpoint import FORMAT, load_checkpoint
 from resmlp.core.errors import UserError
+from resmlp.core.weights import WeightsSpec, timm_spec
 from resmlp.models.from_config import build_model, create_timm
 
 DINO_KEYS = ("teacher", "student")
@@ -140,7 +144,7 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     weights cannot show, e.g. grid_adapt). img_size: the size to use when the weights do
     not fix it (conv / no cross-patch variants with average pooling).
     """
-    from resmlp.models import ARCHS, OVERRIDE_KEYS
+    from resmlp.models import OVERRIDE_KEYS
 
     w = sd.get("patch_embed.proj.weight")
     if w is None or w.dim() != 4:
@@ -161,44 +165,57 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     arch["norm"] = "layernorm" if "norm.weight" in sd else "affine"
     arch["pooling"] = "class_mlp" if any(k.startswith("pool.") for k in sd) else "avg"
 
-    n = None
+    kind, n = _token_mixing(sd, dim)
+    if kind is not None:
+        arch["cross_patch"] = kind
+    given = arch.get("img_size", img_size)
+    size = _trained_size(n, p, given) if n is not None else given
+    if size is not None:
+        arch["img_size"] = [int(v) for v in size] if isinstance(size, (list, tuple)) else size
+    return _arch_name(cfgm.get("name"), dim, arch["depth"]), arch
+
+
+def _token_mixing(sd: Mapping, dim: int) -> tuple[str | None, int | None]:
+    """(the cross-patch layer's kind, None when its keys tell none; the number of patches a
+    token-mixing layer, cross-patch or class-MLP pooling, was trained over, None when no
+    layer fixes it)."""
+    kind = n = None
     cp = {k[len("blocks.0.cross_patch."):]: v for k, v in sd.items() if k.startswith("blocks.0.cross_patch.")}
     if "weight" in cp and cp["weight"].dim() == 2:
-        arch["cross_patch"], n = "linear", int(cp["weight"].shape[0])
+        kind, n = "linear", int(cp["weight"].shape[0])
     elif "fc1.weight" in cp:
-        arch["cross_patch"], n = "mlp", int(cp["fc1.weight"].shape[1])
+        kind, n = "mlp", int(cp["fc1.weight"].shape[1])
     elif "conv.weight" in cp:
         depthwise = cp["conv.weight"].shape[1] == 1 and dim > 1
-        arch["cross_patch"] = ("dwsep3x3" if "pointwise.weight" in cp else "dwconv3x3") if depthwise else "conv3x3"
+        kind = ("dwsep3x3" if "pointwise.weight" in cp else "dwconv3x3") if depthwise else "conv3x3"
     elif not cp:
-        arch["cross_patch"] = "none"
+        kind = "none"
     if n is None and "pool.layers.0.mix.weight" in sd:
         n = int(sd["pool.layers.0.mix.weight"].shape[1]) - 1
+    return kind, n
 
-    given = arch.get("img_size", img_size)
-    if n is not None:
-        hw = None
-        if given is not None:
-            g = (given, given) if isinstance(given, int) else tuple(given)
-            if (g[0] // p) * (g[1] // p) == n and g[0] % p == 0 and g[1] % p == 0:
-                hw = given
-        if hw is None:
-            side = math.isqrt(n)
-            if side * side != n:
-                raise UserError(f"cannot tell the patch grid of a cross-patch layer over {n} patches "
-                                "(not square); use a checkpoint that carries its config")
-            hw = side * p
-        arch["img_size"] = hw
-    elif given is not None:
-        arch["img_size"] = given
 
-    name = cfgm.get("name")
-    if name not in ARCHS:
-        name = next((a for a, spec in ARCHS.items() if spec["dim"] == dim and spec["depth"] == arch["depth"]),
-                    "resmlp_s12")
-    if isinstance(arch.get("img_size"), (list, tuple)):
-        arch["img_size"] = [int(v) for v in arch["img_size"]]
-    return name, arch
+def _trained_size(n: int, p: int, given):
+    """The image size a token-mixing layer over `n` patches of `p` pixels was trained at:
+    `given` when its grid has n patches, else the square grid's side."""
+    if given is not None:
+        g = (given, given) if isinstance(given, int) else tuple(given)
+        if (g[0] // p) * (g[1] // p) == n and g[0] % p == 0 and g[1] % p == 0:
+            return given
+    side = math.isqrt(n)
+    if side * side != n:
+        raise UserError(f"cannot tell the patch grid of a cross-patch layer over {n} patches "
+                        "(not square); use a checkpoint that carries its config")
+    return side * p
+
+
+def _arch_name(name: str | None, dim: int, depth: int) -> str:
+    """The saved config's model name when it is one of ours, else the family member of this
+    width and depth (resmlp_s12 when none is)."""
+    from resmlp.models import ARCHS
+    if name in ARCHS:
+        return name
+    return next((a for a, spec in ARCHS.items() if spec["dim"] == dim and spec["depth"] == depth), "resmlp_s12")
 
 
 # --------------------------------------------------------------------------- loading
@@ -276,27 +293,16 @@ def resmlp_from_state_dict(sd: Mapping, where: str, config_model: Mapping | None
     return model, name, arch
 
 
-def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None, offline_advice: str | None = None):
-    import timm
+def timm_weights(spec: WeightsSpec, pretrained: bool, advice: str, what: str = "", **kwargs) -> nn.Module:
+    """timm's model of a timm spec with its pretrained weights, or with random ones seeded
+    alike (the same spec, the same weights and cache key). Pretrained weights that cannot
+    be had (offline: only the hub's cache is asked) are one line naming `what` and `spec`,
+    ending in `advice`."""
     import resmlp.models  # noqa: F401 - registers this project's names with timm too
-
-    name, _, flag = spec[len("timm:"):].partition("?")
-    if flag not in ("", "random", "pretrained"):
-        raise UserError(f"{spec}: unknown flag ?{flag}; use timm:<name> or timm:<name>?random")
-    if flag:
-        pretrained = flag == "pretrained"
-    if not name or not timm.is_model(name):
-        raise UserError(f"timm has no model {name!r}; see timm.list_models('*resmlp*')")
-    kwargs = {"num_classes": 0}
-    if in_chans is not None:
-        kwargs["in_chans"] = int(in_chans)
-    if img_size is not None and not pretrained:
-        kwargs["img_size"] = img_size   # random weights: build for the data's size
     try:
-        # random weights are seeded: the same spec gives the same weights (and cache key)
         with torch.random.fork_rng(devices=[]), _hub_offline_if_unreachable(pretrained):
             torch.manual_seed(0)
-            model = create_timm(name, pretrained=pretrained, **kwargs)
+            return create_timm(spec.timm_name, pretrained=pretrained, **kwargs)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - no network, no cached file, wrong size, ...
@@ -304,18 +310,63 @@ def _timm_backbone(spec: str, pretrained: bool, img_size=None, in_chans=None, of
             raise
         first = (str(e).splitlines() or [type(e).__name__])[0]
         first = first if len(first) <= 120 else first[:117] + "..."
-        advice = offline_advice or (f"pass a local checkpoint file, or timm:{name}?random for random weights")
-        raise UserError(f"cannot get pretrained weights for timm:{name} ({type(e).__name__}: {first}); "
+        raise UserError(f"cannot get pretrained weights for {what}{spec.plain} ({type(e).__name__}: {first}); "
                         f"this machine may be offline: {advice}") from None
-    info = {"source": "timm", "spec": spec, "path": None, "run_dir": None, "model": name,
+
+
+def _timm_backbone(spec: WeightsSpec, pretrained: bool, img_size=None, in_chans=None, offline_advice=None):
+    """(timm's model of `spec` as a backbone, info); offline_advice(name): what to do when its
+    pretrained weights cannot be had."""
+    import timm
+
+    name, pretrained = spec.timm_name, spec.pretrained(pretrained)
+    if not name or not timm.is_model(name):
+        raise UserError(f"timm has no model {name!r}; see timm.list_models('*resmlp*')")
+    kwargs = {"num_classes": 0}
+    if in_chans is not None:
+        kwargs["in_chans"] = int(in_chans)
+    if img_size is not None and not pretrained:
+        kwargs["img_size"] = img_size   # random weights: build for the data's size
+    advice = offline_advice(name) if offline_advice else \
+        f"pass a local checkpoint file, or {timm_spec(name, 'random')} for random weights"
+    model = timm_weights(spec, pretrained, advice, **kwargs)
+    info = {"source": "timm", "spec": spec.text, "path": None, "run_dir": None, "model": name,
             "arch": {}, "config": None, "key": None, "epoch": None, "pretrained": pretrained,
             "head_num_classes": None, "is_resmlp": False, "cross_patch": None}
     return model, info
 
 
-def load_backbone(spec, key: str = "teacher", device="cpu", pretrained: bool = True,
-                  img_size=None, in_chans=None) -> tuple[nn.Module, dict]:
-    """(feature backbone in eval mode on `device`, info dict) for any accepted `spec`.
+@dataclass
+class _Source:
+    """The weights a spec names, read once: `sd` the network's state_dict (of a DINO
+    checkpoint the `key` network's backbone), `info` where it came from; `model` is timm's
+    model already holding them, `obj` the checkpoint file's dict (None for timm's)."""
+    sd: dict
+    info: dict
+    what: str                          # for messages: "timm's ResNet", "a dino checkpoint", ...
+    model: nn.Module | None = None
+    obj: dict | None = None
+
+
+def _read(spec: WeightsSpec, key: str, pretrained: bool, img_size=None, in_chans=None,
+          offline_advice=None) -> _Source:
+    """The weights of `spec`: the one place that tells timm's from a checkpoint file."""
+    if spec.path is not None:
+        path = spec.file
+        obj = load_checkpoint(path)
+        sd, info = unwrap(obj, key, str(path))
+        ours = obj.get("format") == FORMAT
+        info.update(spec=spec.text, path=str(path), run_dir=str(path.parent) if ours else None, pretrained=None)
+        return _Source(sd, info, f"a {info['source']} checkpoint", obj=obj)
+    _one_network({}, {"source": "timm"}, key, spec.text)
+    model, info = _timm_backbone(spec, pretrained, img_size, in_chans, offline_advice)
+    return _Source(model.state_dict(), info, f"timm's {type(model).__name__}", model=model)
+
+
+def load_backbone(spec: WeightsSpec | str | os.PathLike, key: str = "teacher", device="cpu",
+                  pretrained: bool = True, img_size=None, in_chans=None) -> tuple[nn.Module, dict]:
+    """(feature backbone in eval mode on `device`, info dict) for any accepted `spec` (a
+    WeightsSpec, or the text of one).
 
     key: 'teacher' | 'student', for DINO checkpoints (ignored otherwise).
     pretrained: for timm:<name> without a ?flag: request timm's pretrained weights
@@ -328,37 +379,32 @@ def load_backbone(spec, key: str = "teacher", device="cpu", pretrained: bool = T
       key, epoch, weights_hash, head_num_classes (the saved classifier's, if any),
       is_resmlp, cross_patch (kind, None for timm models), num_features.
     """
-    spec = str(spec)
-    if spec.startswith("timm:"):
-        _one_network({}, {"source": "timm"}, key, spec)
-        model, info = _timm_backbone(spec, pretrained, img_size, in_chans)
-    else:
-        model, info = _load_file(spec, key, img_size)
+    source = _read(WeightsSpec.parse(spec), key, pretrained, img_size, in_chans)
+    model, info = source.model, source.info
+    if model is None:
+        model = _build(source.sd, info, img_size)
     model.eval().requires_grad_(False)
     info["weights_hash"] = weights_hash(model)
     info["num_features"] = int(getattr(model, "num_features", 0)) or None
     return model.to(device), info
 
 
-def _load_file(spec: str, key: str, img_size=None):
+def _build(sd: dict, info: dict, img_size=None) -> nn.Module:
+    """The backbone a checkpoint's weights make: our ResMLP with the architecture read off
+    them, or the timm architecture its saved config names; `info` completed."""
     from resmlp.models import ARCHS
 
-    path = resolve_checkpoint_path(spec)
-    obj = load_checkpoint(path)
-    sd, info = unwrap(obj, key, str(path))
-    ours = obj.get("format") == FORMAT
-    info.update(spec=spec, path=str(path), run_dir=str(path.parent) if ours else None, pretrained=None)
     cfg_model = (info["config"] or {}).get("model") or {}
     if cfg_model.get("name") and cfg_model["name"] not in ARCHS:
-        return _load_timm_arch(sd, cfg_model, info, path)
+        return _load_timm_arch(sd, cfg_model, info, info["path"])
     head = _head_classes(sd)
-    model, name, arch = resmlp_from_state_dict(sd, str(path), cfg_model, img_size)
+    model, name, arch = resmlp_from_state_dict(sd, info["path"], cfg_model, img_size)
     info.update(model=name, arch=arch, head_num_classes=head, is_resmlp=True,
                 cross_patch=arch.get("cross_patch", "linear"))
-    return model, info
+    return model
 
 
-def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: Path):
+def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: str) -> nn.Module:
     """A project checkpoint of a timm architecture (the supervised command trains any)."""
     import timm
 
@@ -375,7 +421,7 @@ def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: Path):
     load_into(model, sd, f"{path}: checkpoint", ignore_head=True)
     info.update(model=name, arch={}, is_resmlp=False, cross_patch=None, source=f"{info['source']} (timm)",
                 head_num_classes=int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
-    return model, info
+    return model
 
 
 # --------------------------------------------------------------------------- continuing
@@ -414,7 +460,7 @@ def _adapt_grid(sd: dict, name: str, arch: dict, grid) -> dict:
     return out
 
 
-def init_weights(spec, model: nn.Module, where: str = "dino.init") -> dict:
+def init_weights(spec: WeightsSpec | str | os.PathLike, model: nn.Module, where: str = "dino.init") -> dict:
     """Load the weights to continue training from into `model` (a freshly built backbone,
     num_classes=0), checked before any work; returns what was loaded (info).
 
@@ -431,58 +477,73 @@ def init_weights(spec, model: nn.Module, where: str = "dino.init") -> dict:
     ([from, to] when the patch grid was adapted, else None).
     """
     from resmlp.models import ResMLP, convert_state_dict
-    spec = str(spec)
-    head = center = None
-    if spec.startswith("timm:"):
-        name = spec[len("timm:"):].partition("?")[0]
-        advice = (f"fetch them on a machine that is online and pass the file as {where}=<file>: "
-                  f"torch.save(timm.create_model('{name}', pretrained=True).state_dict(), '{name}.pth'), "
-                  f"or this project's `export format=timm` of a run")
-        source, info = _timm_backbone(spec, pretrained=True, offline_advice=advice)
-        sd, what = source.state_dict(), f"timm's {type(source).__name__}"
-    else:
-        path = resolve_checkpoint_path(spec)
-        obj = load_checkpoint(path)
-        sd, info = unwrap(obj, "teacher", str(path))
-        info.update(spec=spec, path=str(path.resolve()), pretrained=None)
-        if info["source"] == "dino":
-            teacher = _strip(obj["teacher"], "module.")
-            head = {k[len("head."):]: v for k, v in teacher.items() if k.startswith("head.")} or None
-            center = obj.get("center") if isinstance(obj.get("center"), torch.Tensor) else None
-        what = f"a {info['source']} checkpoint"
-    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    spec = WeightsSpec.parse(spec)
+
+    def advice(name: str) -> str:
+        return (f"fetch them on a machine that is online and pass the file as {where}=<file>: "
+                f"torch.save(timm.create_model('{name}', pretrained=True).state_dict(), '{name}.pth'), "
+                f"or this project's `export format=timm` of a run")
+
+    source = _read(spec, "teacher", pretrained=True, offline_advice=advice)
+    info = source.info
+    if info["path"]:
+        info["path"] = str(Path(info["path"]).resolve())
+    head, center = _dino_head(source.obj) if info["source"] == "dino" else (None, None)
+    sd = {k: v for k, v in source.sd.items() if isinstance(v, torch.Tensor)}
     info.update(head=head, center=center, grid=None, weights_hash=weights_hash(sd))
     info.setdefault("config", None)
+    named = f"{where}={spec}"
     if not isinstance(model, ResMLP):
-        load_into(model, sd, f"{where}={spec}", ignore_head=True)
+        load_into(model, sd, named, ignore_head=True)
         return info
     sd = {k: v for k, v in convert_state_dict(sd).items() if not k.startswith("head.")}
     if "patch_embed.proj.weight" not in sd or not any(k.startswith("blocks.") for k in sd):
-        raise UserError(f"{where}={spec} is {what} without a ResMLP's patch embedding and blocks "
+        raise UserError(f"{named} is {source.what} without a ResMLP's patch embedding and blocks "
                         f"(keys: {_preview(sd)}): it does not fit the model's ResMLP backbone; pass ResMLP weights")
     name, arch = infer_arch(sd, (info["config"] or {}).get("model"))
+    _check_fit(arch, model, named)
+    sd, info["grid"] = _fit_grid(sd, name, arch, tuple(model.grid_size), named)
+    load_into(model, sd, named)
+    return info
+
+
+def _dino_head(obj: dict) -> tuple[dict | None, torch.Tensor | None]:
+    """(the teacher's DINO head, the loss center) of this project's DINO checkpoint."""
+    teacher = _strip(obj["teacher"], "module.")
+    head = {k[len("head."):]: v for k, v in teacher.items() if k.startswith("head.")} or None
+    return head, obj.get("center") if isinstance(obj.get("center"), torch.Tensor) else None
+
+
+def _check_fit(arch: dict, model, named: str) -> None:
+    """The architecture the weights fix must be the built model's: one line naming each
+    difference and the key that builds it."""
     built = _built_arch(model)
     differ = [f"{label} {arch.get(k)} vs the model's {built[k]} ({key})" for k, label, key in _FIT
               if arch.get(k, built[k]) != built[k]]
     if differ:
-        raise UserError(f"{where}={spec} does not fit the model: its {'; '.join(differ)}; build the model it was "
+        raise UserError(f"{named} does not fit the model: its {'; '.join(differ)}; build the model it was "
                         "trained as with those keys, or pass weights of this model")
-    grid, size = tuple(model.grid_size), arch.get("img_size")
-    if size is not None and (arch["cross_patch"] in ("linear", "mlp") or arch["pooling"] == "class_mlp"):
-        hw = (size, size) if isinstance(size, int) else tuple(size)
-        trained = (hw[0] // arch["patch_size"], hw[1] // arch["patch_size"])
-        if trained != grid:
-            if arch["cross_patch"] == "mlp":
-                raise UserError(f"{where}={spec} has an MLP cross-patch layer for a {trained[0]}x{trained[1]} "
-                                f"patch grid, which cannot adapt to the model's {grid[0]}x{grid[1]}: set "
-                                f"data.img_size={hw[0]} to continue at the size it was trained at")
-            sd = _adapt_grid(sd, name, arch, grid)
-            info["grid"] = [list(trained), list(grid)]
-    load_into(model, sd, f"{where}={spec}")
-    return info
 
 
-def load_classifier(spec: str, architecture: str | None = None) -> tuple[nn.Module, str]:
+def _fit_grid(sd: dict, name: str, arch: dict, grid: tuple, named: str) -> tuple[dict, list | None]:
+    """(the weights for the model's patch grid, [trained grid, model's grid] when they were
+    adapted, else None): the token-mixing layers of weights trained at another image size
+    resampled; an MLP cross-patch layer cannot be."""
+    size = arch.get("img_size")
+    if size is None or not (arch["cross_patch"] in ("linear", "mlp") or arch["pooling"] == "class_mlp"):
+        return sd, None
+    hw = (size, size) if isinstance(size, int) else tuple(size)
+    trained = (hw[0] // arch["patch_size"], hw[1] // arch["patch_size"])
+    if trained == grid:
+        return sd, None
+    if arch["cross_patch"] == "mlp":
+        raise UserError(f"{named} has an MLP cross-patch layer for a {trained[0]}x{trained[1]} "
+                        f"patch grid, which cannot adapt to the model's {grid[0]}x{grid[1]}: set "
+                        f"data.img_size={hw[0]} to continue at the size it was trained at")
+    return _adapt_grid(sd, name, arch, grid), [list(trained), list(grid)]
+
+
+def load_classifier(spec: WeightsSpec | str | os.PathLike, architecture: str | None = None) -> tuple[nn.Module, str]:
     """(a trained classifier with its head, in eval mode without gradients; its name).
 
     spec: a run dir / checkpoint of this project's supervised, distill or finetune
@@ -490,7 +551,8 @@ def load_classifier(spec: str, architecture: str | None = None) -> tuple[nn.Modu
     state_dict with `architecture` naming a timm or ResMLP model."""
     from omegaconf import OmegaConf
 
-    path = resolve_checkpoint_path(spec)
+    spec = WeightsSpec.parse(spec)
+    path = spec.file
     obj = load_checkpoint(path)
     if any(isinstance(obj.get(k), Mapping) for k in DINO_KEYS) and "model" not in obj:
         raise UserError(f"{path} is a DINO checkpoint: its networks have no classifier. Fine-tune it first "
@@ -537,4 +599,4 @@ def describe(info: Mapping) -> str:
 
 
 __all__ = ["describe", "infer_arch", "init_weights", "load_backbone", "load_classifier", "load_into",
-           "resmlp_from_state_dict", "unwrap", "weights_hash"]
+           "resmlp_from_state_dict", "timm_weights", "unwrap", "weights_hash"]

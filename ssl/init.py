@@ -21,12 +21,12 @@ the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from resmlp.core.checkpoint import CHECKPOINT_NAME, saved_config
+from resmlp.core.checkpoint import saved_config
 from resmlp.core.errors import UserError
+from resmlp.core.weights import WeightsSpec
 
 INIT_KEYS = ("init", "init_head", "head_warmup_epochs", "init_lr_scale")
 
@@ -53,15 +53,6 @@ class Start:
         return out
 
 
-def init_key(spec) -> str | None:
-    """dino.init as config.yaml keeps it: timm:<name> as given, a path as the absolute path
-    of the checkpoint file (a run dir's checkpoint.pth), whether or not it exists now."""
-    if spec is None or str(spec).startswith("timm:"):
-        return None if spec is None else str(spec)
-    path = Path(str(spec)).expanduser().resolve()
-    return str(path / CHECKPOINT_NAME if path.is_dir() else path)
-
-
 def _saved_dino(run) -> dict | None:
     """The dino section the run dir's state was saved with; None when it holds no state."""
     if not (run.ckpt_path.exists() or run.prev_path.exists()):
@@ -78,7 +69,7 @@ def continuing(cfg, run, hooks=None) -> Start | None:
     saved = _saved_dino(run)
     if saved is not None:
         was = saved.get("init")
-        if d.init is not None and init_key(d.init) != was:
+        if d.init is not None and WeightsSpec.parse(d.init).key != was:
             started = f"started from {was}" if was else "started without dino.init"
             raise UserError(f"{run.dir} holds a run of its own ({started}) and dino.init={d.init} asks for another "
                             f"start: drop dino.init to continue that run, or pass out=<another dir> to start a "
@@ -106,9 +97,10 @@ def _load(cfg, hooks) -> Start:
     d = cfg.dino
     build = (hooks.backbone if hooks is not None and hooks.backbone else
              (lambda model_cfg: build_model(model_cfg, num_classes=0)))
+    spec = WeightsSpec.parse(d.init)
     with torch.random.fork_rng(devices=[]):
         backbone = build(cfg.model)
-        info = init_weights(d.init, backbone)
+        info = init_weights(spec, backbone)
         head = build_head(backbone.num_features, d) if info["head"] is not None else None
     ask = d.init_head
     if ask is True and info["head"] is None:
@@ -121,9 +113,8 @@ def _load(cfg, hooks) -> Start:
     if warmup >= int(cfg.epochs):
         raise UserError(f"dino.head_warmup_epochs={warmup} leaves the backbone no epoch of epochs={cfg.epochs}: "
                         f"set dino.head_warmup_epochs below {cfg.epochs}")
-    spec = init_key(d.init)
-    d.init, d.init_head = spec, head_loaded
-    return Start(spec, head_loaded, warmup, float(d.init_lr_scale), info, backbone.state_dict(),
+    d.init, d.init_head = spec.key, head_loaded
+    return Start(spec.key, head_loaded, warmup, float(d.init_lr_scale), info, backbone.state_dict(),
                  info["head"] if head_loaded else None, info["center"] if head_loaded else None)
 
 

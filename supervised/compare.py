@@ -37,6 +37,7 @@ from resmlp.core import dist
 from resmlp.core.config import load_config, save_config, to_dict
 from resmlp.core.engine import command, config_differences
 from resmlp.core.errors import UserError
+from resmlp.core.weights import ANY, names_timm
 from resmlp.data.datasets import fit_demo_subset
 
 # Training paths of the table, in the paper's order.
@@ -69,7 +70,7 @@ def compare_dir(cfg) -> Path:
 
 def teacher_is_trained_here(cfg) -> bool:
     t = str(cfg.compare.teacher)
-    return not (t.startswith("timm:") or Path(t).expanduser().exists())
+    return not (names_timm(t) or Path(t).expanduser().exists())
 
 
 def plan(cfg) -> list[Step]:
@@ -81,8 +82,8 @@ def plan(cfg) -> list[Step]:
     if teacher_is_trained_here(cfg):
         import timm
         if not timm.is_model(teacher):
-            raise UserError(f"compare.teacher={teacher!r} is neither a timm model to train as the teacher, "
-                            "an existing run dir / checkpoint, nor timm:<name>")
+            raise UserError(f"compare.teacher={teacher!r} is neither a timm model to train as the teacher "
+                            f"nor existing weights ({ANY})")
         steps.append(Step("teacher", "supervised", teacher, root / "teacher",
                           [f"epochs={E.teacher}", *c.extra.teacher]))
         teacher = str(root / "teacher")

@@ -17,15 +17,13 @@ Soft distillation (`distill.type=soft`), DeiT's formula:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from resmlp.core.checkpoint import resolve_checkpoint_path
 from resmlp.core.errors import UserError
-from resmlp.models.load import load_classifier
+from resmlp.core.weights import WeightsSpec, timm_spec
+from resmlp.models.load import load_classifier, timm_weights
 
 KINDS = ("hard", "soft")
 
@@ -60,40 +58,34 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 # The teacher
 # ----------------------------------------------------------------------------------------
 
-def _timm_teacher(name: str) -> nn.Module:
+def _timm_teacher(spec: WeightsSpec) -> nn.Module:
     import timm
-    name, _, flag = name.partition("?")
-    if flag:
-        raise UserError(f"teacher timm:{name}?{flag}: a teacher needs trained weights; pass timm:{name} "
+    name = spec.timm_name
+    if spec.flag:
+        raise UserError(f"teacher {spec}: a teacher needs trained weights; pass {spec.plain} "
                         "(pretrained, needs a download) or a checkpoint of a trained classifier")
     if not timm.is_model(name):
-        raise UserError(f"timm has no model {name!r} for the teacher; e.g. teacher=timm:regnety_160.deit_in1k")
-    try:
-        return timm.create_model(name, pretrained=True)
-    except Exception as e:  # noqa: BLE001 - offline, no cached file, no pretrained tag, ...
-        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"cannot get pretrained weights for teacher timm:{name} ({type(e).__name__}: {first}); "
-                        "this machine may be offline: train a teacher here (bash run.sh supervised "
-                        "regnety_016 ...) and pass its run dir, or pass a downloaded state_dict file with "
-                        f"distill.teacher_model={name}") from None
+        raise UserError(f"timm has no model {name!r} for the teacher; e.g. "
+                        f"teacher={timm_spec('regnety_160.deit_in1k')}")
+    return timm_weights(spec, True, "train a teacher here (bash run.sh supervised regnety_016 ...) and pass its "
+                        f"run dir, or pass a downloaded state_dict file with distill.teacher_model={name}",
+                        what="teacher ")
 
 
-def load_teacher(spec: str, num_classes: int, data_name: str, img_size: int, device,
+def load_teacher(spec: WeightsSpec | str, num_classes: int, data_name: str, img_size: int, device,
                  teacher_model: str | None = None) -> tuple[nn.Module, dict]:
     """The teacher classifier in eval mode without gradients, and a description of it.
 
     spec: a run dir / checkpoint of this project's supervised, distill or finetune commands
     (its saved config names the architecture), a foreign classifier state_dict with
-    `teacher_model` naming the architecture, or timm:<name> (timm's pretrained weights).
+    `teacher_model` naming the architecture, or timm's model with its pretrained weights.
     The teacher must predict the data's classes and take its image size.
     """
-    if not spec:
-        raise UserError("distill needs a teacher: teacher=<run dir | checkpoint | timm:<name>>")
-    spec = str(spec)
-    if spec.startswith("timm:"):
-        model, name = _timm_teacher(spec[len("timm:"):]), spec[len("timm:"):]
-    else:
+    spec = WeightsSpec.parse(spec)
+    if spec.path is not None:
         model, name = load_classifier(spec, teacher_model)
+    else:
+        model, name = _timm_teacher(spec), spec.timm_name
     model.eval().requires_grad_(False)
     try:
         with torch.no_grad():
@@ -105,9 +97,9 @@ def load_teacher(spec: str, num_classes: int, data_name: str, img_size: int, dev
     if k != num_classes:
         raise UserError(f"teacher {spec} predicts {k} classes but {data_name} has {num_classes}; "
                         "use a teacher trained on this dataset")
-    info = {"spec": spec, "model": name, "params": sum(p.numel() for p in model.parameters())}
-    if not spec.startswith("timm:"):
-        res_file = Path(resolve_checkpoint_path(spec)).parent / "results.json"
+    info = {"spec": spec.text, "model": name, "params": sum(p.numel() for p in model.parameters())}
+    if spec.path is not None:
+        res_file = spec.file.parent / "results.json"
         if res_file.exists():
             import json
             try:

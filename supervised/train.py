@@ -24,6 +24,7 @@ from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule
+from resmlp.core.weights import FORMS, WeightsSpec
 from resmlp.data import build_dataset, build_eval_transform, build_loader, mean_std
 from resmlp.data.datasets import fit_demo_subset, require_classes
 from resmlp.data.resumable import build_train_loader
@@ -90,13 +91,11 @@ def init_from_checkpoint(model: nn.Module, cfg) -> dict:
     """Fine-tuning: copy the checkpoint's backbone (DINO: the `teacher` network's backbone.*)
     into `model`; the head stays new. A backbone that does not fit is a UserError."""
     from resmlp.models.load import describe, load_backbone, load_into
-    spec = cfg.checkpoint
-    if not spec:
-        raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
+    spec = WeightsSpec.parse(cfg.checkpoint)
     backbone, info = load_backbone(spec, key=cfg.finetune.key, device="cpu", img_size=cfg.data.img_size)
     load_into(model, backbone.state_dict(), f"{spec} ({describe(info)}) is not a backbone {cfg.model.name} "
               "can take", ignore_head=True)
-    return {"checkpoint": str(spec), "source": info.get("source"), "key": info.get("key"),
+    return {"checkpoint": spec.text, "source": info.get("source"), "key": info.get("key"),
             "checkpoint_epoch": info.get("epoch"), "weights_hash": info.get("weights_hash")}
 
 
@@ -112,8 +111,8 @@ def build_networks(cfg, n_classes: int, device):
         info["init"] = init_from_checkpoint(model, cfg)
     if cfg.command == "distill":
         d = cfg.distill
-        teacher, info["teacher"] = load_teacher(d.teacher, n_classes, cfg.data.name, cfg.data.img_size, device,
-                                                teacher_model=d.teacher_model)
+        teacher, info["teacher"] = load_teacher(WeightsSpec.parse(d.teacher), n_classes, cfg.data.name,
+                                                cfg.data.img_size, device, teacher_model=d.teacher_model)
     return model.to(device), teacher, info
 
 
@@ -160,7 +159,7 @@ def check_inputs(cfg) -> None:
     if cfg.command not in COMMANDS:
         raise UserError(f"resmlp.supervised.train serves {', '.join(COMMANDS)}, not {cfg.command!r}")
     if cfg.command == "distill" and not cfg.distill.teacher:
-        raise UserError("distill needs a teacher: teacher=<run dir | checkpoint | timm:<name>>")
+        raise UserError(f"distill needs a teacher: teacher={FORMS}")
     if cfg.command == "finetune" and not cfg.checkpoint:
         raise UserError("finetune needs a checkpoint: bash run.sh finetune <DINO run dir | checkpoint>")
 
