@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from resmlp.core.errors import UserError
@@ -49,6 +50,43 @@ def length_problem(path) -> str | None:
     if len(os.fsencode(full)) >= path_max:
         return f"it is {len(os.fsencode(full))} bytes long, more than the {path_max - 1} the file system takes"
     return None
+
+
+def input_key(spec) -> str | None:
+    """Weights named on the command line (a run dir, a checkpoint file, timm:<name>) as a run's
+    config.yaml keeps them: timm:<name> as given, a path as the absolute path of the file (a
+    run dir's checkpoint.pth), whether or not it exists now. Two specs of the same weights
+    give the same key."""
+    from resmlp.core.checkpoint import CHECKPOINT_NAME
+    if spec is None or str(spec).startswith("timm:"):
+        return None if spec is None else str(spec)
+    path = Path(str(spec)).expanduser().resolve()
+    return str(path / CHECKPOINT_NAME if path.is_dir() else path)
+
+
+def input_name(spec) -> str:
+    """A short name for the weights `spec` names, for a folder's name: the run's name for a
+    run dir or a checkpoint in one (its checkpoint.pth or checkpoint_prev.pth), the file's
+    stem for another file, the model name for timm:<name> (its ?flags dropped)."""
+    from resmlp.core.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME
+    text = str(spec)
+    if text.startswith("timm:"):
+        name = text[len("timm:"):].partition("?")[0]
+    else:
+        path = Path(text).expanduser()
+        name = path.parent.name if path.name in (CHECKPOINT_NAME, PREVIOUS_NAME) else \
+            path.name if path.is_dir() or not path.suffix else path.stem
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "weights"
+
+
+def beside(directory) -> Path:
+    """The first of <directory>_2, _3, ... that does not exist: where another run of the
+    same command goes."""
+    d = Path(directory)
+    i = 2
+    while (d.parent / f"{d.name}_{i}").exists():
+        i += 1
+    return d.parent / f"{d.name}_{i}"
 
 
 def _small(path: Path) -> bool:

@@ -8,11 +8,11 @@ the backbone's parameters get no gradient and no update, the teacher follows the
 head only), then the backbone joins at `dino.init_lr_scale` times the schedule's learning
 rate. Why the defaults are what they are: configs/method/dino.yaml.
 
-`continuing(cfg, run)` runs before any work. It refuses, in one line each: dino.init on a
-run dir that holds the state of a run started otherwise (resume and dino.init would mean
-two different starts), weights that do not fit the model, timm weights that cannot be had
-offline, a head that does not fit dino's head sizes, and a warm-up that leaves the backbone
-no epoch. A run started from dino.init and resumed (a requeue, the same command again)
+`continuing(cfg, run)` runs before any work. dino.init on a run dir that holds the state of
+a run started otherwise (resume and dino.init would mean two different starts) is refused
+by `Run(cfg)` before it (core.engine.INPUT_KEYS); this refuses, in one line each: weights
+that do not fit the model, timm weights that cannot be had offline, a head that does not
+fit dino's head sizes, and a warm-up that leaves the backbone no epoch. A run started from dino.init and resumed (a requeue, the same command again)
 continues from its own checkpoint; the init keys are then the ones it started with.
 config.yaml keeps where the run started (dino.init resolved to the file, dino.init_head
 to true or false); results.json too, with the k-NN at the start, after the warm-up and at
@@ -21,12 +21,12 @@ the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from resmlp.core.checkpoint import CHECKPOINT_NAME, saved_config
+from resmlp.core.checkpoint import saved_config
 from resmlp.core.errors import UserError
+from resmlp.core.outdir import input_key
 
 INIT_KEYS = ("init", "init_head", "head_warmup_epochs", "init_lr_scale")
 
@@ -53,15 +53,6 @@ class Start:
         return out
 
 
-def init_key(spec) -> str | None:
-    """dino.init as config.yaml keeps it: timm:<name> as given, a path as the absolute path
-    of the checkpoint file (a run dir's checkpoint.pth), whether or not it exists now."""
-    if spec is None or str(spec).startswith("timm:"):
-        return None if spec is None else str(spec)
-    path = Path(str(spec)).expanduser().resolve()
-    return str(path / CHECKPOINT_NAME if path.is_dir() else path)
-
-
 def _saved_dino(run) -> dict | None:
     """The dino section the run dir's state was saved with; None when it holds no state."""
     if not (run.ckpt_path.exists() or run.prev_path.exists()):
@@ -76,13 +67,8 @@ def continuing(cfg, run, hooks=None) -> Start | None:
     module docstring. Sets dino.init and dino.init_head in `cfg` to what config.yaml keeps."""
     d = cfg.dino
     saved = _saved_dino(run)
-    if saved is not None:
+    if saved is not None:  # Run() has refused another dino.init (core.engine.INPUT_KEYS)
         was = saved.get("init")
-        if d.init is not None and init_key(d.init) != was:
-            started = f"started from {was}" if was else "started without dino.init"
-            raise UserError(f"{run.dir} holds a run of its own ({started}) and dino.init={d.init} asks for another "
-                            f"start: drop dino.init to continue that run, or pass out=<another dir> to start a "
-                            f"new one from {d.init}")
         if was is None:
             return None
         for key in INIT_KEYS:   # the resumed run continues as it started
@@ -121,7 +107,7 @@ def _load(cfg, hooks) -> Start:
     if warmup >= int(cfg.epochs):
         raise UserError(f"dino.head_warmup_epochs={warmup} leaves the backbone no epoch of epochs={cfg.epochs}: "
                         f"set dino.head_warmup_epochs below {cfg.epochs}")
-    spec = init_key(d.init)
+    spec = input_key(d.init)
     d.init, d.init_head = spec, head_loaded
     return Start(spec, head_loaded, warmup, float(d.init_lr_scale), info, backbone.state_dict(),
                  info["head"] if head_loaded else None, info["center"] if head_loaded else None)
