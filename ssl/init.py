@@ -12,8 +12,9 @@ rate. Why the defaults are what they are: configs/method/dino.yaml.
 a run started otherwise (resume and dino.init would mean two different starts) is refused
 by `Run(cfg)` before it (core.engine.INPUT_KEYS); this refuses, in one line each: weights
 that do not fit the model, timm weights that cannot be had offline, a head that does not
-fit dino's head sizes, and a warm-up that leaves the backbone no epoch. A run started from dino.init and resumed (a requeue, the same command again)
-continues from its own checkpoint; the init keys are then the ones it started with.
+fit dino's head sizes, and a warm-up that leaves the backbone no epoch. A run started from
+dino.init and resumed (a requeue, the same command again) continues from its own
+checkpoint; the init keys are then the ones it started with.
 config.yaml keeps where the run started (dino.init resolved to the file, dino.init_head
 to true or false); results.json too, with the k-NN at the start, after the warm-up and at
 the end.
