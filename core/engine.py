@@ -35,6 +35,7 @@ from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, load_checkpo
 from resmlp.core.config import save_config, to_dict
 from resmlp.core.errors import Finished, Preempted, RunFailed, UserError
 from resmlp.core.lock import RunLock, release_all
+from resmlp.core.outdir import beside, input_key, input_name
 from resmlp.core.report import write_json
 
 # Fault injection for the resume tests: the process kills itself after this iteration.
@@ -46,6 +47,17 @@ RESUME_MUST_MATCH = ("command", "model", "data")
 # data.decode: where JPEGs are decoded (the same pixels up to a rounding step); data.preview:
 # only `run.sh data` reads it; model.fused: the same parameters and function (models/fused.py).
 RESUME_MAY_CHANGE = ("model.grad_checkpointing", "model.fused", "data.decode", "data.preview")
+# What a command starts from: the key naming the weights it reads (run dir, checkpoint file
+# or timm:<name>). Its default run dir names them, and a run dir holding a run that started
+# from other weights is neither continued nor taken for this one. null (dino.init left out):
+# the run's own start, whatever it was.
+INPUT_KEYS = {"finetune": "checkpoint", "distill": "distill.teacher", "dino": "dino.init"}
+# Keys that do not change what a run computes: a finished run with other values of these is
+# still the run asked for ("nothing to do"; compare reuses it).
+RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "ckpt_every", "ckpt_epochs",
+                "eval_every", "eval_batch_size", "device", "compile", "demo", "demo_overrides", "launcher", "slurm",
+                "save_rank_weights", "features.batch_size", "features.cache", "features.cache_dir",
+                "data.download", *RESUME_MAY_CHANGE)
 
 
 def seed_everything(seed: int) -> None:
@@ -54,19 +66,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def default_run_name(cfg: DictConfig, start=None) -> str:
+    """<command>_<model>_<data>, and _from_<its weights' name> (core.outdir.input_name) for a
+    command that starts from weights (`start`; default: its INPUT_KEYS entry): two runs of
+    one command from two checkpoints never share a default folder."""
+    if start is None and cfg.command in INPUT_KEYS:
+        start = OmegaConf.select(cfg, INPUT_KEYS[cfg.command], default=None)
+    name = f"{cfg.command}_{cfg.model.name}_{cfg.data.name}"
+    return f"{name}_from_{input_name(start)}" if start else name
+
+
 def run_dir(cfg: DictConfig) -> Path:
     if cfg.out:
         return Path(cfg.out).expanduser()
-    name = cfg.name or f"{cfg.command}_{cfg.model.name}_{cfg.data.name}"
-    return Path("runs") / name
+    return Path("runs") / (cfg.name or default_run_name(cfg))
 
 
-def config_differences(saved: dict, current: dict, keys=RESUME_MUST_MATCH) -> list[str]:
-    """Human-readable 'key: old -> new' lines for the sections that must not change."""
+def config_differences(saved: dict, current: dict, keys=RESUME_MUST_MATCH, skip=RESUME_MAY_CHANGE) -> list[str]:
+    """Human-readable 'key: old -> new' lines for the sections that must not change (the
+    dotted keys in `skip` aside)."""
     diffs = []
 
     def walk(a, b, prefix):
-        if prefix in RESUME_MAY_CHANGE:
+        if prefix in skip:
             return
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
@@ -77,6 +99,48 @@ def config_differences(saved: dict, current: dict, keys=RESUME_MUST_MATCH) -> li
     for k in keys:
         walk(saved.get(k, "<unset>"), current.get(k, "<unset>"), k)
     return diffs
+
+
+def started_from(saved: dict, current: dict) -> tuple[str, str | None, str | None]:
+    """(the command's input key, the weights the saved run started from, those asked for
+    now), as input_key gives them; the key is "" for a command that reads none."""
+    key = INPUT_KEYS.get(str(current.get("command")), "")
+    if not key:
+        return "", None, None
+    pick = lambda c: OmegaConf.select(OmegaConf.create(c), key, default=None)  # noqa: E731
+    return key, input_key(pick(saved)), input_key(pick(current))
+
+
+def settings_of(config: dict) -> dict:
+    """A copy of a resolved config without its RUNTIME_KEYS: what the results depend on."""
+    out = OmegaConf.to_container(OmegaConf.create(config))
+    for key in RUNTIME_KEYS:
+        head, _, last = key.rpartition(".")
+        section = out.get(head) if head else out
+        if isinstance(section, dict):
+            section.pop(last, None)
+    return out
+
+
+def settings_differences(saved: dict, current: dict) -> list[str]:
+    """'key: old -> new' for every key that changes what a run computes: RUNTIME_KEYS aside,
+    the input compared as the weights it names (a null one: the run's own start), and a
+    key asked as `auto` taking whatever the run chose."""
+    key, was, now = started_from(saved, current)
+    saved, current = settings_of(saved), settings_of(current)
+    if key:  # the input: compared as the weights it names
+        head, _, last = key.rpartition(".")
+        for c, v in ((saved, was), (current, now if now is not None else was)):
+            (c.setdefault(head, {}) if head else c)[last] = v
+    diffs = config_differences(saved, current, keys=sorted({*saved, *current}), skip=())
+    return [d for d in diffs if not d.endswith("-> auto")]
+
+
+def other_run(directory, what: str, fix: str = "") -> str:
+    """The one line that refuses a run dir holding another run: `what` it holds, and where
+    this one can go instead."""
+    return f"{directory} holds {what}; {fix + ', or ' if fix else ''}pass out={beside(directory)} to start this one " \
+           "beside it"
 
 
 class JsonlLogger:
@@ -226,7 +290,8 @@ class Run:
         self.logger = JsonlLogger(self.dir if self.is_main else None, fresh=not self._checked_resume)
 
     def _check_run_dir(self):
-        """Refuse to resume (or overwrite) a run dir that holds another model or data."""
+        """Refuse to resume (or overwrite) a run dir that holds another model or data, or a
+        run started from other weights (INPUT_KEYS)."""
         saved_cfg = self.dir / "config.yaml"
         if not (self.ckpt_path.exists() or self.prev_path.exists()):
             return None
@@ -235,22 +300,36 @@ class Run:
                             "or out=<another dir>")
         saved = OmegaConf.to_container(OmegaConf.load(saved_cfg)) if saved_cfg.exists() else \
             self._latest_checkpoint(quiet=True)[0].get("config", {})
-        diffs = config_differences(saved, to_dict(self.cfg))
+        current = to_dict(self.cfg)
+        diffs = config_differences(saved, current)
         if diffs:
             raise UserError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:4])}); "
                             "use out=<new dir>, or the old values to resume")
+        key, was, now = started_from(saved, current)
+        if now is not None and now != was:
+            started = f"started from {was}" if was else f"started without {key}"
+            asked = f"{key}={OmegaConf.select(self.cfg, key)}"
+            raise UserError(other_run(self.dir, f"a run of its own ({started}) and {asked} asks for another start",
+                                      f"drop {key} to continue that run" if key == "dino.init" else ""))
+        self._saved = saved
         return True
 
     def _stop_if_finished(self) -> None:
         """Resuming a run that has ended (its results.json is there, for at least these
-        epochs) would only evaluate it again and write over its figures: raise Finished.
-        More epochs than it ran continue its training."""
+        epochs) would only evaluate it again and write over its figures: raise Finished, when
+        it is the run asked for (settings_differences). A finished run with other settings
+        is refused, naming the first difference and a folder beside it. More epochs than it
+        ran continue its training."""
         try:
             done = json.loads((self.dir / "results.json").read_text())
         except (OSError, ValueError):
             return  # no results yet: the run (or its final evaluation) goes on
         if not isinstance(done, dict) or int(done.get("epochs") or 0) < int(self.cfg.epochs):
             return
+        diffs = settings_differences(self._saved, to_dict(self.cfg))
+        if diffs:
+            more = f" and {len(diffs) - 1} more" if len(diffs) > 1 else ""
+            raise UserError(other_run(self.dir, f"a finished run with other settings ({diffs[0]}{more})"))
         raise Finished(f"{self.dir} holds a finished run ({done.get('epochs')} epochs, results.json): nothing to "
                        f"do, its results stay as they are; evaluate it with `bash run.sh knn {self.dir}` "
                        "(or linear, viz), or train another with out=<another dir>")

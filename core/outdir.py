@@ -51,6 +51,29 @@ def length_problem(path) -> str | None:
     return None
 
 
+def input_key(spec) -> str | None:
+    """Weights named on the command line as a run's config.yaml keeps them (core.weights:
+    WeightsSpec.key), None for none: two specs of the same weights give the same key."""
+    from resmlp.core.weights import WeightsSpec
+    return None if spec is None else WeightsSpec.parse(spec).key
+
+
+def input_name(spec) -> str:
+    """A short name for the weights `spec` names, for a folder's name (WeightsSpec.name)."""
+    from resmlp.core.weights import WeightsSpec
+    return WeightsSpec.parse(spec).name
+
+
+def beside(directory) -> Path:
+    """The first of <directory>_2, _3, ... that does not exist: where another run of the
+    same command goes."""
+    d = Path(directory)
+    i = 2
+    while (d.parent / f"{d.name}_{i}").exists():
+        i += 1
+    return d.parent / f"{d.name}_{i}"
+
+
 def _small(path: Path) -> bool:
     try:
         return path.is_file() and path.stat().st_size <= RECORD_MAX_BYTES

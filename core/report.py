@@ -39,3 +39,13 @@ def write_json(path: Path, obj) -> Path:
         json.dump(json_safe(obj), fh, indent=2)
         fh.write("\n")
     return Path(path)
+
+
+def append_json_line(path: Path, obj) -> Path:
+    """obj as one JSON line at the end of `path` (a history no write replaces): one write of
+    the whole line, so that lines of two commands do not interleave."""
+    line = json.dumps(json_safe(obj)) + "\n"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(line)
+    return Path(path)

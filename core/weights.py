@@ -14,10 +14,11 @@ messages that suggest one build it with `timm_spec`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from resmlp.core.checkpoint import CHECKPOINT_NAME, resolve_checkpoint_path, saved_config
+from resmlp.core.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, resolve_checkpoint_path, saved_config
 from resmlp.core.errors import UserError
 
 _PREFIX = "timm:"
@@ -101,6 +102,19 @@ class WeightsSpec:
             return self.text
         path = self.path.resolve()
         return str(path / CHECKPOINT_NAME if path.is_dir() else path)
+
+    @property
+    def name(self) -> str:
+        """A short name of these weights, for a folder's name: the model for timm (its flag
+        dropped), the run's name for a run dir or a checkpoint in one (its checkpoint.pth or
+        checkpoint_prev.pth), the file's stem for another file."""
+        if self.is_timm:
+            name = self.timm_name
+        else:
+            path = self.path
+            name = path.parent.name if path.name in (CHECKPOINT_NAME, PREVIOUS_NAME) else \
+                path.name if path.is_dir() or not path.suffix else path.stem
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "weights"
 
     def saved_config(self) -> dict | None:
         """The config this project's checkpoint or run dir was trained with (None: timm's,

@@ -4,10 +4,16 @@ a split, where results go, and the report they write.
 
 Results go to cfg.out when set, else beside the checkpoint (a run dir: into it), else
 (timm:<name>) to runs/eval/<name>/. Each command writes <out>/<command>.json: its
-results, what was evaluated, the wall time and the resolved config.
+results, what was evaluated, the wall time and the resolved config; it is the last result
+of its kind. Every result is also appended to <out>/evaluations.jsonl (HISTORY), which no
+command rewrites: a knn with other settings keeps the one before it. viz's figures, files
+that would replace each other, go to viz/<result_name>/ (viz/epoch<N>/<result_name>/ for
+the checkpoint of a run still training) unless out= names their folder.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -20,7 +26,7 @@ from resmlp.core import dist
 from resmlp.core.checkpoint import check_writable
 from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
-from resmlp.core.report import write_json
+from resmlp.core.report import append_json_line, write_json
 from resmlp.core.weights import ANY, WeightsSpec
 from resmlp.eval.features import amp_dtype_from_precision, default_cache_dir, features_for
 from resmlp.models.load import describe, load_backbone
@@ -40,24 +46,59 @@ class Backbone:
     out_dir: Path
 
 
-def output_dir(cfg, info: dict, sub: str | None = None) -> Path:
+# Every evaluation's report, one JSON line each, appended beside <command>.json.
+HISTORY = "evaluations.jsonl"
+
+
+def base_dir(cfg, info: dict) -> Path:
     """cfg.out, else the checkpoint's folder (its run dir), else runs/eval/<timm name>."""
     if cfg.out:
         return Path(cfg.out)
     if info.get("path"):
-        base = Path(info["path"]).parent
-    else:
-        base = Path("runs") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", str(info.get("model", "model")))
-    return base / sub if sub else base
+        return Path(info["path"]).parent
+    return Path("runs") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", str(info.get("model", "model")))
+
+
+def result_name(cfg) -> str:
+    """The name of one evaluation's result: the labeled set (data.name, and the folder's
+    name when data.root is set) and a hash of every setting that changes what it computes
+    (core.engine.RUNTIME_KEYS aside), e.g. imagefolder-labeled-1f3a9c0e."""
+    from resmlp.core.engine import settings_of
+    from resmlp.core.outdir import input_name
+    digest = hashlib.sha256(json.dumps(settings_of(to_dict(cfg)), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    root = f"-{input_name(cfg.data.root)}" if cfg.data.get("root") else ""
+    return f"{cfg.data.name}{root}-{digest}"
+
+
+def unfinished_epoch(info: dict) -> int | None:
+    """The checkpoint's epoch when it is a training run's that has not ended (its run dir has
+    no results.json yet), else None."""
+    run = info.get("run_dir")
+    if not run or info.get("epoch") is None or (Path(run) / "results.json").exists():
+        return None
+    return int(info["epoch"])
+
+
+def output_dir(cfg, info: dict, sub: str | None = None) -> Path:
+    """base_dir; for a command whose files are folders (`sub`, viz's figures), its folder
+    there named by result_name, under epoch<N>/ for a run still training. out= given: that
+    folder, as named."""
+    base = base_dir(cfg, info)
+    if cfg.out or not sub:
+        return base
+    epoch = unfinished_epoch(info)
+    return base / sub / (f"epoch{epoch}" if epoch is not None else "") / result_name(cfg)
 
 
 def results_dir(cfg, sub: str | None = None) -> Path:
-    """output_dir before anything is loaded: where this command's reports will go."""
-    if not cfg.checkpoint:
-        return output_dir(cfg, {}, sub)
-    spec = WeightsSpec.parse(cfg.checkpoint)
-    info = {"model": spec.timm_name} if spec.is_timm else {"path": str(spec.file)}
-    return output_dir(cfg, info, sub)
+    """Before anything is loaded: the folder this command's reports go under (what the CLI
+    tries to write into before any work)."""
+    info = {}
+    if cfg.checkpoint:
+        spec = WeightsSpec.parse(cfg.checkpoint)
+        info = {"model": spec.timm_name} if spec.is_timm else {"path": str(spec.file)}
+    base = base_dir(cfg, info)
+    return base / sub if sub and not cfg.out else base
 
 
 def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) -> Backbone:
@@ -70,8 +111,13 @@ def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) ->
     model, info = load_backbone(spec, key=cfg.features.key, device=dev,
                                 pretrained=bool(cfg.features.pretrained), img_size=cfg.data.img_size)
     amp = amp_dtype_from_precision(cfg.precision, dev)
+    out_dir = output_dir(cfg, info, sub_dir)
+    epoch = unfinished_epoch(info)
+    if epoch is not None:
+        log(f"note: {info['run_dir']} is still training (no results.json yet): this {cfg.command} is of its "
+            f"epoch-{epoch} checkpoint" + (f", written to {out_dir}" if sub_dir else ""))
     log(f"backbone: {describe(info)}")
-    return Backbone(model, info, dev, amp, output_dir(cfg, info, sub_dir))
+    return Backbone(model, info, dev, amp, out_dir)
 
 
 def eval_command(body, sub_dir: str | None = None, device: str | None = None):
@@ -86,15 +132,27 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
             bb = open_backbone(cfg, sub_dir, device)
             report = body(cfg, bb)
             if dist.is_main() and report is not None:
-                path = write_json(bb.out_dir / f"{cfg.command}.json", {
-                    **report, "checkpoint": checkpoint_summary(bb.info),
-                    "wall_time_s": round(time.time() - started, 1), "config": to_dict(cfg)})
+                record = {**report, "checkpoint": checkpoint_summary(bb.info),
+                          "wall_time_s": round(time.time() - started, 1), "config": to_dict(cfg)}
+                path = write_json(bb.out_dir / f"{cfg.command}.json", record)
                 log(f"wrote {path}")
+                keep(cfg, bb, record)
             dist.barrier()
         finally:
             dist.cleanup()
         return 0
     return run
+
+
+def keep(cfg, bb: Backbone, record: dict) -> None:
+    """Append the evaluation to base_dir's HISTORY: its command, result_name, the folder its
+    files went to, the checkpoint and settings, and its results (viz: the files it drew,
+    whose numbers are in that folder's viz.json)."""
+    results = {"files": record.get("files")} if cfg.command == "viz" else \
+        {k: v for k, v in record.items() if k not in ("checkpoint", "config")}
+    append_json_line(base_dir(cfg, bb.info) / HISTORY, {
+        "command": cfg.command, "name": result_name(cfg), "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "dir": str(bb.out_dir), "checkpoint": record["checkpoint"], "results": results, "config": record["config"]})
 
 
 def split_features(cfg, bb: Backbone, split: str, n_last_blocks: int = 1) -> dict:

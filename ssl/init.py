@@ -8,12 +8,13 @@ the backbone's parameters get no gradient and no update, the teacher follows the
 head only), then the backbone joins at `dino.init_lr_scale` times the schedule's learning
 rate. Why the defaults are what they are: configs/method/dino.yaml.
 
-`continuing(cfg, run)` runs before any work. It refuses, in one line each: dino.init on a
-run dir that holds the state of a run started otherwise (resume and dino.init would mean
-two different starts), weights that do not fit the model, timm weights that cannot be had
-offline, a head that does not fit dino's head sizes, and a warm-up that leaves the backbone
-no epoch. A run started from dino.init and resumed (a requeue, the same command again)
-continues from its own checkpoint; the init keys are then the ones it started with.
+`continuing(cfg, run)` runs before any work. dino.init on a run dir that holds the state of
+a run started otherwise (resume and dino.init would mean two different starts) is refused
+by `Run(cfg)` before it (core.engine.INPUT_KEYS); this refuses, in one line each: weights
+that do not fit the model, timm weights that cannot be had offline, a head that does not
+fit dino's head sizes, and a warm-up that leaves the backbone no epoch. A run started from
+dino.init and resumed (a requeue, the same command again) continues from its own
+checkpoint; the init keys are then the ones it started with.
 config.yaml keeps where the run started (dino.init resolved to the file, dino.init_head
 to true or false); results.json too, with the k-NN at the start, after the warm-up and at
 the end.
@@ -67,13 +68,8 @@ def continuing(cfg, run, hooks=None) -> Start | None:
     module docstring. Sets dino.init and dino.init_head in `cfg` to what config.yaml keeps."""
     d = cfg.dino
     saved = _saved_dino(run)
-    if saved is not None:
+    if saved is not None:  # Run() has refused another dino.init (core.engine.INPUT_KEYS)
         was = saved.get("init")
-        if d.init is not None and WeightsSpec.parse(d.init).key != was:
-            started = f"started from {was}" if was else "started without dino.init"
-            raise UserError(f"{run.dir} holds a run of its own ({started}) and dino.init={d.init} asks for another "
-                            f"start: drop dino.init to continue that run, or pass out=<another dir> to start a "
-                            f"new one from {d.init}")
         if was is None:
             return None
         for key in INIT_KEYS:   # the resumed run continues as it started

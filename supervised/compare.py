@@ -16,8 +16,9 @@ dir (cfg.out, else runs/compare_<model>_<data>/):
     finetune/     dino/'s teacher fine-tuned with labels      -> top-1 / top-5
 
 A finished run is reused, not trained again: results.json present and its config.yaml
-equal to the config this compare would give it (run-time keys such as num_workers or
-out aside). A finished run with another config is an error that names the difference;
+equal to the config this compare would give it (core.engine.settings_differences: run-time
+keys such as num_workers or out aside). A finished run with other settings is refused as
+the trainers refuse one, naming the first difference and a compare dir beside this one;
 an unfinished one (checkpoint, no results.json) is resumed. The budgets (epochs per
 path) are in configs/method/compare.yaml; on a machine without a GPU the compare runs
 the short demo budgets (demo=auto) and says so.
@@ -35,7 +36,7 @@ from omegaconf import OmegaConf
 
 from resmlp.core import dist
 from resmlp.core.config import load_config, save_config, to_dict
-from resmlp.core.engine import command, config_differences
+from resmlp.core.engine import command, default_run_name, other_run, settings_differences
 from resmlp.core.errors import UserError
 from resmlp.core.weights import ANY, names_timm
 from resmlp.data.datasets import fit_demo_subset
@@ -47,10 +48,6 @@ PAPER = {
     "resmlp_s12": {"supervised": 76.6, "distill": 77.8, "dino_knn": 62.6, "dino_linear": 67.5, "finetune": 76.5},
     "resmlp_s24": {"supervised": 79.4, "distill": 80.8, "dino_knn": 69.4, "dino_linear": 72.8, "finetune": 79.9},
 }
-# Keys that do not change what a run computes: a finished run is reused whatever they say.
-RUNTIME_KEYS = ("out", "name", "resume", "num_workers", "log_every", "ckpt_every", "eval_every",
-                "eval_batch_size", "device", "compile", "demo", "demo_overrides")
-
 
 @dataclass
 class Step:
@@ -65,7 +62,12 @@ class Step:
 # ---- the plan ----------------------------------------------------------------------------------
 
 def compare_dir(cfg) -> Path:
-    return Path(cfg.out).expanduser() if cfg.out else Path("runs") / f"compare_{cfg.model.name}_{cfg.data.name}"
+    """out=, else runs/compare_<model>_<data>, with _from_<teacher> when compare.teacher names
+    weights rather than a model trained here (core.engine.default_run_name)."""
+    if cfg.out:
+        return Path(cfg.out).expanduser()
+    teacher = None if teacher_is_trained_here(cfg) else str(cfg.compare.teacher)
+    return Path("runs") / (cfg.name or default_run_name(cfg, teacher))
 
 
 def teacher_is_trained_here(cfg) -> bool:
@@ -140,12 +142,11 @@ def finished(step: Step, sub_cfg) -> dict | None:
     if not cfg_file.exists():
         raise UserError(f"{step.dir} has results.json but no config.yaml; delete it or use out=<another dir>")
     saved = OmegaConf.to_container(OmegaConf.load(cfg_file))
-    current = to_dict(sub_cfg)
-    keys = sorted((set(saved) | set(current)) - set(RUNTIME_KEYS))
-    diffs = config_differences(saved, current, keys=keys)
+    diffs = settings_differences(saved, to_dict(sub_cfg))
     if diffs:
-        raise UserError(f"{step.dir} holds a finished {step.key} run with another config ({'; '.join(diffs[:4])}); "
-                        "delete it to train it again, or pass out=<another dir>")
+        more = f" and {len(diffs) - 1} more" if len(diffs) > 1 else ""
+        raise UserError(other_run(step.dir.parent, f"a finished {step.key} run ({step.dir.name}/) with other settings "
+                                                   f"({diffs[0]}{more})"))
     return json.loads(res_file.read_text())
 
 

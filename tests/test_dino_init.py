@@ -259,8 +259,16 @@ def test_init_on_a_run_dir_with_its_own_state_says_which_to_drop(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip()
     assert "\n" not in line and "started without dino.init" in line
-    assert "drop dino.init to continue that run, or pass out=<another dir>" in line
+    assert f"drop dino.init to continue that run, or pass out={run}_2 to start this one beside it" in line
     assert {p.name: p.read_bytes() for p in run.iterdir()} == files     # nothing written, nothing taken
+    # finished, and asked to start from its own weights (dino.init=runs/fm1 out=runs/fm1): refused, not
+    # "nothing to do"
+    (run / "results.json").write_text(json.dumps({"epochs": 2}))
+    files = {p.name: p.read_bytes() for p in run.iterdir()}
+    proc = subprocess.run(_cmd(run, f"dino.init={run}"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "nothing to do" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and f"and dino.init={run} asks for another start" in proc.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == files
 
 
 @pytest.mark.slow
