@@ -210,7 +210,7 @@ def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypa
     from test_folder import labeled
 
     from resmlp.eval import knn
-    from resmlp.ssl.train import knn_report
+    from resmlp.eval.judge import knn_report
 
     asked = []
     real = knn.online_knn
