@@ -73,7 +73,8 @@ def row(run: Path) -> dict:
     out = {"run": run.name, "start": start, "after warm-up": res.get("after_warmup_knn_top1"),
            "end": res["knn_top1"], "lowest": low[1], "lowest after epoch": low[0]}
     if "knn_low_shot" in res:   # results.json of a run from before the field's rename
-        print(f"error: {run / 'results.json'} names knn_low_shot, now knn_few_labels: rename the field", file=sys.stderr)
+        print(f"error: {run / 'results.json'} names knn_low_shot, now knn_few_labels: rename the field",
+              file=sys.stderr)
         sys.exit(2)
     few = (res.get("knn_few_labels") or {}).get("results") or {}
     for n, entry in few.items():   # the trainer's final k-NN with knn.few_labels, at its headline k
