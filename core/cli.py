@@ -48,10 +48,10 @@ COMMANDS = {
                     ignores=NO_FEATURE_FILES),
     "knn": Command("resmlp.eval.knn:run", "k-NN accuracy of frozen features", "checkpoint",
                    {"k": "knn.k", "T": "knn.temperature", "key": "features.key",
-                    "n_per_class": "knn.n_per_class", "tries": "knn.tries"},
+                    "few_labels": "knn.few_labels", "tries": "knn.tries"},
                    writes="resmlp.eval.command:results_dir", ignores=FROM_CHECKPOINT),
     "linear": Command("resmlp.eval.linear:run", "linear probe on frozen features", "checkpoint",
-                      {"key": "features.key", "n_per_class": "linear.n_per_class", "tries": "linear.tries"},
+                      {"key": "features.key", "few_labels": "linear.few_labels", "tries": "linear.tries"},
                       writes="resmlp.eval.command:results_dir",
                       ignores={**FROM_CHECKPOINT, **NO_KNN}),
     "viz": Command("resmlp.eval.viz:run", "figures: cross-patch weights, sparsity, curves, neighbours, "

@@ -20,12 +20,11 @@ deterministic, class-balanced subset of N images (subset.py; a seeded pick where
 no labels); the test split stays whole.
 
 `folder` has no labels: DINO trains on it, and its k-NN and linear probe read the labeled
-set `eval_data` names (eval.data, eval.root); the commands that report an accuracy refuse
-it (`require_classes`).
+set eval.data and eval.root name (resmlp.eval.judge resolves it); the commands that report
+an accuracy refuse it (`require_classes`).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -177,38 +176,3 @@ def class_names(data_cfg) -> list[str]:
     if info.build is imagefolder.build:
         return imagefolder.train_classes(data_cfg)
     return list(build_dataset(data_cfg, "test").classes)
-
-
-def eval_data(cfg):
-    """The labeled set the DINO trainer's k-NN and linear probe read: `eval.data` (with
-    `eval.root`, `eval.subset`) when named, else the training set when it has labels, else
-    None (no accuracy can be had). A named set is read at the training image size with the
-    training normalization (what the network was trained on); its own file says the rest
-    (crop ratio, where its files are found)."""
-    from resmlp.core.config import CONFIG_DIR
-    judge = cfg.get("eval", None) or {}
-    name = judge.get("data", None)
-    if name is None:
-        if judge.get("root", None) is not None or judge.get("subset", None) is not None:
-            raise UserError(f"eval.root / eval.subset are set but eval.data is not; name the labeled set too: "
-                            f"eval.data=<{'|'.join(LABELED)}>")
-        return cfg.data if dataset_info(cfg.data).labeled else None
-    own = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml").data
-    root = judge.get("root", None)
-    if root is None and DATASETS[name].build is imagefolder.build:
-        raise UserError(f"eval.data={name} needs eval.root=DIR, the folder with train/<class>/ and val/<class>/")
-    if root is not None and not os.path.isdir(os.path.expanduser(str(root))):
-        raise UserError(f"eval.root={root} is {'a file' if os.path.exists(os.path.expanduser(str(root))) else 'not there'}"
-                        f"; give the folder that holds eval.data={name}'s files")
-    base = OmegaConf.load(CONFIG_DIR / "defaults.yaml").data
-    return OmegaConf.merge(base, own, {
-        "name": name, "root": judge.get("root", None), "subset": judge.get("subset", None),
-        "img_size": cfg.data.img_size, "mean": cfg.data.mean, "std": cfg.data.std,
-        "download": cfg.data.get("download", True), "skip_corrupt": cfg.data.get("skip_corrupt", False)})
-
-
-def no_labels_note(cfg) -> str:
-    """What a DINO run on images without labels says once at its start and in results.json."""
-    return (f"data={cfg.data.name} has no labels and no labeled set was named: this run reports its health "
-            f"(loss, teacher entropy, KL, the collapse watch) but no k-NN or linear accuracy; name one with "
-            f"eval.data=<{'|'.join(LABELED)}> eval.root=DIR")

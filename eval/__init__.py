@@ -4,6 +4,9 @@
 - knn.py          knn_classify / knn_evaluate (DINO protocol, exact, FAISS or torch),
                   online_knn for trainers, and the `knn` command
 - linear.py       train_linear_on_features (many lrs at once) and the `linear` command
+- few_labels.py   banks of n labeled images per class, drawn `tries` times (knn, linear)
+- judge.py        the DINO trainer's k-NN and linear probe: the labeled set (eval.data),
+                  when it runs, the health-only run without labels
 - viz.py          cross-patch rows, sparsity, training curves and the two pictures below:
                   the `viz` command
 - neighbours.py   a few test images with the k-NN's own nearest training images

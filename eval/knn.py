@@ -11,7 +11,7 @@ of sim / T over the class's neighbours, computed as max + log(sum exp(. - max)) 
 in float64: exp(sim / T) itself overflows float64 once T < 1/710 (and float32's much
 sooner), which would rank every class alike. Equal scores go to the lower class index.
 
-Few labels (knn.n_per_class, knn.tries; eval/low_shot.py): the same evaluation with banks
+Few labels (knn.few_labels, knn.tries; eval/few_labels.py): the same evaluation with banks
 of n images per class, drawn `tries` times from features extracted once; mean and
 standard deviation over the tries for each n and k, a k larger than a bank clipped to it.
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from resmlp.core.errors import UserError
-from resmlp.eval import low_shot
+from resmlp.eval import few_labels
 from resmlp.eval.knn_search import BACKENDS, as_tensor, backend_name, check_ks, knn_search
 
 
@@ -113,28 +113,28 @@ def knn_evaluate(train_features, train_labels, test_features, test_labels, num_c
 
 # --------------------------------------------------------------------------- few labels
 
-def knn_low_shot(train_features, train_labels, test_features, test_labels, num_classes: int, ks,
-                 temperature: float, n_per_class, tries: int, seed: int = 0, backend: str = "auto",
-                 chunk_size: int | None = None, device=None, class_names=None) -> dict:
+def knn_few_labels(train_features, train_labels, test_features, test_labels, num_classes: int, ks,
+                   temperature: float, per_class, tries: int, seed: int = 0, backend: str = "auto",
+                   chunk_size: int | None = None, device=None, class_names=None) -> dict:
     """knn_evaluate on `tries` class-balanced picks of n training images per class, for
-    each n of n_per_class (eval/low_shot.py), the features given once.
+    each n of per_class (knn.few_labels; eval/few_labels.py), the features given once.
 
-    Returns {'n_per_class', 'tries', 'seed', 'std': ..., 'notes': [one line per n whose
+    Returns {'per_class', 'tries', 'seed', 'std': ..., 'notes': [one line per n whose
     k were clipped or whose classes ran short], 'results': {n: {'bank': images per pick,
     'k': {k: {'k_used', 'top1', 'top1_std', 'top5', 'top5_std', 'tries': [{'top1',
     'top5'}]}}}}} with n and k as strings (JSON keys)."""
-    ns = low_shot.sizes(n_per_class)
+    ns = few_labels.sizes(per_class)
     ks = check_ks(ks, 2**62)
     ytr = torch.as_tensor(train_labels).reshape(-1).cpu()
-    out = {"n_per_class": ns, "tries": int(tries), "seed": int(seed),
+    out = {"per_class": ns, "tries": int(tries), "seed": int(seed),
            "std": "sample standard deviation over the tries (ddof 1; null for one try)", "notes": [],
            "results": {}}
     for n in ns:
-        banks = low_shot.picks(ytr, n, int(tries), seed)
+        banks = few_labels.picks(ytr, n, int(tries), seed)
         size = int(banks[0].numel())
         used = {k: min(k, size) for k in ks}
         clipped = [k for k in ks if used[k] < k]
-        short = low_shot.short_classes(ytr, n, class_names)
+        short = few_labels.short_classes(ytr, n, class_names)
         if clipped:
             out["notes"].append(f"n={n}: k={','.join(map(str, clipped))} clipped to the bank's {size} images")
         if short:
@@ -143,11 +143,11 @@ def knn_low_shot(train_features, train_labels, test_features, test_labels, num_c
                              sorted(set(used.values())), temperature, backend, chunk_size, device)
                 for bank in banks]
         out["results"][str(n)] = {"bank": size, "k": {
-            str(k): {"k_used": used[k], **low_shot.summary([r[used[k]] for r in runs])} for k in ks}}
+            str(k): {"k_used": used[k], **few_labels.summary([r[used[k]] for r in runs])} for k in ks}}
     return out
 
 
-def format_low_shot(res: dict, whole: dict | None = None, n_train: int | None = None) -> str:
+def format_few_labels(res: dict, whole: dict | None = None, n_train: int | None = None) -> str:
     """The few-label table: a row per (n, k), mean ± std over the tries; the whole bank's
     rows after them where given."""
     lines = [f"k-NN with few labels: n training images per class, {res['tries']} seeded class-balanced "
@@ -156,8 +156,8 @@ def format_low_shot(res: dict, whole: dict | None = None, n_train: int | None = 
     for n, r in res["results"].items():
         for k, c in r["k"].items():
             k_shown = f"{k}*" if c["k_used"] != int(k) else k
-            lines.append(f"{n:>5}  {r['bank']:>7}  {k_shown:>5}  {low_shot.cell(c, 'top1')}  "
-                         f"{low_shot.cell(c, 'top5')}")
+            lines.append(f"{n:>5}  {r['bank']:>7}  {k_shown:>5}  {few_labels.cell(c, 'top1')}  "
+                         f"{few_labels.cell(c, 'top5')}")
     for k, c in (whole or {}).items():
         lines.append(f"{'all':>5}  {n_train if n_train is not None else '':>7}  {k:>5}  {c['top1']:6.2f}{'':10}"
                      f"{c['top5']:6.2f}")
@@ -261,7 +261,7 @@ def format_table(results: dict) -> str:
 
 def knn_command(cfg, bb) -> dict | None:
     """bash run.sh knn <ckpt | run dir | timm:<name>> [data=...] [k=10,20] [T=0.07] [key=teacher]
-    [knn.n_per_class=[1,5,10] knn.tries=5]"""
+    [knn.few_labels=[1,5,10] knn.tries=5]"""
     from resmlp.core import dist
     from resmlp.eval.command import log, split_features
 
@@ -290,12 +290,12 @@ def knn_command(cfg, bb) -> dict | None:
                      "test_cache": test["cache"]},
         "results": {str(k): v for k, v in res.items()},
     }
-    if low_shot.sizes(cfg.knn.n_per_class):
-        few = knn_low_shot(train["features"], train["labels"], test["features"], test["labels"],
-                           test["num_classes"], ks, temperature, cfg.knn.n_per_class, cfg.knn.tries,
+    if few_labels.sizes(cfg.knn.few_labels):
+        few = knn_few_labels(train["features"], train["labels"], test["features"], test["labels"],
+                           test["num_classes"], ks, temperature, cfg.knn.few_labels, cfg.knn.tries,
                            int(cfg.seed), backend, cfg.knn.chunk_size, bb.device, train["classes"])
-        log(format_low_shot(few, res, train["features"].shape[0]))
-        report["low_shot"] = few
+        log(format_few_labels(few, res, train["features"].shape[0]))
+        report["few_labels"] = few
     return report
 
 

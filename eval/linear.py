@@ -30,7 +30,7 @@ import torch
 from resmlp.core import dist
 from resmlp.core.errors import UserError
 from resmlp.data.datasets import require_classes
-from resmlp.eval import low_shot
+from resmlp.eval import few_labels
 from resmlp.eval.knn import topk_correct
 
 CACHED_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # base lrs (batch 256)
@@ -229,29 +229,29 @@ def train_linear_augmented(model, train_loader, test_features, test_labels, num_
                    global_batch, "augmented")
 
 
-def linear_low_shot(train_features, train_labels, test_features, test_labels, num_classes: int,
-                    n_per_class, tries: int, seed: int = 0, lrs: Sequence[float] = CACHED_LRS, epochs: int = 100,
-                    batch_size: int = 256, momentum: float = 0.9, weight_decay: float = 0.0, device=None,
-                    class_names=None, log: Callable[[str], None] | None = None) -> dict:
+def linear_few_labels(train_features, train_labels, test_features, test_labels, num_classes: int,
+                      per_class, tries: int, seed: int = 0, lrs: Sequence[float] = CACHED_LRS, epochs: int = 100,
+                      batch_size: int = 256, momentum: float = 0.9, weight_decay: float = 0.0, device=None,
+                      class_names=None, log: Callable[[str], None] | None = None) -> dict:
     """train_linear_on_features (its lr sweep, the best lr per pick) on `tries`
-    class-balanced picks of n training images per class, for each n of n_per_class
-    (eval/low_shot.py). The lrs are the whole bank's, scaled by linear.batch_size / 256 as
-    there; a pick smaller than a batch trains in one batch of the whole pick (an epoch is
+    class-balanced picks of n training images per class, for each n of per_class
+    (linear.few_labels; eval/few_labels.py). The lrs are the whole bank's, scaled by
+    linear.batch_size / 256 as there; a pick smaller than a batch trains in one batch of the whole pick (an epoch is
     then one step, so a smaller lr for the smaller batch would leave the head near its init).
 
-    Returns {'n_per_class', 'tries', 'seed', 'std', 'notes', 'results': {n: {'bank',
+    Returns {'per_class', 'tries', 'seed', 'std', 'notes', 'results': {n: {'bank',
     'batch_size', 'top1', 'top1_std', 'top5', 'top5_std', 'tries': [{'top1', 'top5',
     'lr'}]}}} with n as strings (JSON keys)."""
     ytr = torch.as_tensor(train_labels).reshape(-1).cpu()
     xtr = torch.as_tensor(train_features)
-    out = {"n_per_class": low_shot.sizes(n_per_class), "tries": int(tries), "seed": int(seed),
+    out = {"per_class": few_labels.sizes(per_class), "tries": int(tries), "seed": int(seed),
            "std": "sample standard deviation over the tries (ddof 1; null for one try)", "notes": [],
            "results": {}}
-    for n in out["n_per_class"]:
-        short = low_shot.short_classes(ytr, n, class_names)
+    for n in out["per_class"]:
+        short = few_labels.short_classes(ytr, n, class_names)
         if short:
             out["notes"].append(short)
-        banks = low_shot.picks(ytr, n, int(tries), seed)
+        banks = few_labels.picks(ytr, n, int(tries), seed)
         runs = []
         for t, bank in enumerate(banks):
             r = train_linear_on_features(xtr[bank], ytr[bank], test_features, test_labels, num_classes, lrs, epochs,
@@ -260,7 +260,7 @@ def linear_low_shot(train_features, train_labels, test_features, test_labels, nu
             if log:
                 log(f"linear: n={n} pick {t + 1}/{len(banks)}: top-1 {r['top1']:.2f} at lr {r['lr']:g}")
         out["results"][str(n)] = {"bank": int(banks[0].numel()), "batch_size": min(batch_size, int(banks[0].numel())),
-                                  **low_shot.summary(runs)}
+                                  **few_labels.summary(runs)}
     return out
 
 
@@ -274,8 +274,8 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def format_low_shot(res: dict) -> str:
-    cell = low_shot.cell
+def format_few_labels(res: dict) -> str:
+    cell = few_labels.cell
     lines = [f"linear probe with few labels: n training images per class, {res['tries']} seeded class-balanced "
              f"picks each (seed {res['seed']}), the best lr per pick; mean ± sample std over the picks",
              f"{'n':>5}  {'bank':>7}  {'top-1':>6} ± {'std':<5}  {'top-5':>6} ± {'std':<5}  best lrs"]
@@ -292,9 +292,9 @@ def check_linear_config(cfg) -> tuple[str, int, int, list, int]:
     mode = str(lc.mode)
     if mode not in MODES:
         raise UserError(f"linear.mode={mode!r} is not one of {', '.join(MODES)}")
-    if low_shot.sizes(lc.n_per_class) and mode != "cached":
-        raise UserError(f"linear.n_per_class trains on cached features: use linear.mode=cached, "
-                        f"or drop linear.n_per_class for linear.mode={mode}")
+    if few_labels.sizes(lc.few_labels) and mode != "cached":
+        raise UserError(f"linear.few_labels trains on cached features: use linear.mode=cached, "
+                        f"or drop linear.few_labels for linear.mode={mode}")
     check_split_classes(cfg.data)
     epochs, batch_size = _check_common(lc.epochs, lc.batch_size)
     lrs = check_lrs(lc.lrs if lc.lrs is not None else (CACHED_LRS if mode == "cached" else [DINO_LR]))
@@ -312,17 +312,17 @@ def linear_command(cfg, bb) -> dict | None:
     mode, epochs, batch_size, lrs, n_last = check_linear_config(cfg)
     seed, lc = int(cfg.seed), cfg.linear
     test = split_features(cfg, bb, "test", n_last)
-    if mode == "cached" and low_shot.sizes(lc.n_per_class):
+    if mode == "cached" and few_labels.sizes(lc.few_labels):
         train = split_features(cfg, bb, "train", n_last)
         if not dist.is_main():
             return None
-        few = linear_low_shot(train["features"], train["labels"], test["features"], test["labels"],
-                              test["num_classes"], lc.n_per_class, int(lc.tries), seed, lrs, epochs, batch_size,
+        few = linear_few_labels(train["features"], train["labels"], test["features"], test["labels"],
+                              test["num_classes"], lc.few_labels, int(lc.tries), seed, lrs, epochs, batch_size,
                               float(lc.momentum), float(lc.weight_decay), bb.device, train["classes"], log=log)
         log(f"linear probe (cached: frozen backbone, SGD momentum 0.9, wd 0, cosine, {epochs} epochs, "
             f"n_last_blocks={n_last}) on {cfg.data.name} test, {test['features'].shape[0]} images")
-        log(format_low_shot(few))
-        return {"mode": mode, "epochs": epochs, "n_last_blocks": n_last, "low_shot": few,
+        log(format_few_labels(few))
+        return {"mode": mode, "epochs": epochs, "n_last_blocks": n_last, "few_labels": few,
                 "n_train": int(train["features"].shape[0]), "n_test": int(test["features"].shape[0]),
                 "feature_dim": int(test["features"].shape[1]),
                 "data": {"name": cfg.data.name, "subset": cfg.data.subset, "num_classes": test["num_classes"]},

@@ -53,6 +53,26 @@ class Start:
             out.update({k: self.info.get(k) for k in ("source", "path", "model", "epoch", "weights_hash", "grid")})
         return out
 
+    def describe(self) -> str:
+        """One line: where the weights came from and how the run continues them."""
+        info = self.info or {}
+        grid = info.get("grid")
+        where = f"{info.get('source')}" + (f", epoch {info['epoch']}" if info.get("epoch") is not None else "") + \
+            (f", patch grid {grid[0][0]}x{grid[0][1]} adapted to {grid[1][0]}x{grid[1][1]}" if grid else "")
+        head = ("its DINO head" if self.head_loaded else
+                f"a new head, first {self.warmup_epochs} epoch(s) alone on the frozen backbone" if self.warmup_epochs
+                else "a new head (no warm-up)")
+        return (f"continuing from {self.spec} ({where}; weights {info.get('weights_hash')}): {head}; the backbone "
+                f"at {self.lr_scale:g} x the learning rate")
+
+
+def record_start(start: Start | None, run, results: dict, start_it: int) -> None:
+    """A run that starts from weights (not resumed) keeps where they came from in its
+    results (`init_from`, results.json) and says it in one line."""
+    if start is not None and not start_it:
+        results["init_from"] = start.record()
+        run.print(start.describe())
+
 
 def _saved_dino(run) -> dict | None:
     """The dino section the run dir's state was saved with; None when it holds no state."""

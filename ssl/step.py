@@ -25,10 +25,13 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from resmlp.core.engine import DeviceTally
+from resmlp.core.optim import scaled_lr
+from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.ssl.clip import clip_per_parameter
 from resmlp.ssl.ema import update_teacher
 from resmlp.ssl.health import teacher_stats
@@ -179,3 +182,32 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
     if graphs:
         step.graphed = GraphedStep(step)
     return step
+
+
+@dataclass(frozen=True)
+class DinoSchedules:
+    """The step's values at every iteration, DINO's: the learning rate (scaled by the batch,
+    a linear warm-up, then cosine), the weight decay and the teacher's momentum (cosine to
+    their end values) and the teacher's temperature (a linear warm-up, then constant)."""
+    lr: np.ndarray
+    wd: np.ndarray
+    momentum: np.ndarray
+    teacher_temp: np.ndarray
+
+    def at(self, it: int) -> tuple:
+        """DinoStep's (lr, weight_decay, momentum, teacher_temp) for iteration `it`."""
+        return self.lr[it], self.wd[it], self.momentum[it], self.teacher_temp[it]
+
+    def record(self, it: int) -> dict:
+        """Iteration `it`'s values, as a log record's fields."""
+        return {"lr": self.lr[it], "wd": self.wd[it], "momentum": self.momentum[it],
+                "teacher_temp": self.teacher_temp[it]}
+
+
+def dino_schedules(cfg, iterations_per_epoch: int) -> DinoSchedules:
+    E, o, d, ipe = cfg.epochs, cfg.optim, cfg.dino, iterations_per_epoch
+    return DinoSchedules(cosine_schedule(scaled_lr(o, cfg.batch_size), o.min_lr, E, ipe, o.warmup_epochs),
+                         cosine_schedule(o.weight_decay, o.weight_decay_end, E, ipe),
+                         cosine_schedule(d.momentum_teacher, 1.0, E, ipe),
+                         linear_warmup_then_constant(d.warmup_teacher_temp, d.teacher_temp,
+                                                     d.warmup_teacher_temp_epochs, E, ipe))

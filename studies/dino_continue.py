@@ -17,7 +17,7 @@ N (a test's size): the first N images of each class in fm04 and an N-image pick 
 The runs themselves are the project's commands (`bash run.sh dino ...`, `export`);
 docs/dino_learning.md lists each one. `table` reads their results.json and log.jsonl: the
 k-NN at the start, after the head warm-up and at the end, its lowest point (the k-NN of
-every epoch: eval_every=1), and the final k-NN with few labels (knn.n_per_class).
+every epoch: eval_every=1), and the final k-NN with few labels (knn.few_labels).
 """
 from __future__ import annotations
 
@@ -72,8 +72,12 @@ def row(run: Path) -> dict:
     low = min(curve, key=lambda c: c[1]) if curve else (None, None)
     out = {"run": run.name, "start": start, "after warm-up": res.get("after_warmup_knn_top1"),
            "end": res["knn_top1"], "lowest": low[1], "lowest after epoch": low[0]}
-    few = (res.get("knn_low_shot") or {}).get("results") or {}
-    for n, entry in few.items():   # the trainer's final k-NN with knn.n_per_class, at its headline k
+    if "knn_low_shot" in res:   # results.json of a run from before the field's rename
+        print(f"error: {run / 'results.json'} names knn_low_shot, now knn_few_labels: rename the field",
+              file=sys.stderr)
+        sys.exit(2)
+    few = (res.get("knn_few_labels") or {}).get("results") or {}
+    for n, entry in few.items():   # the trainer's final k-NN with knn.few_labels, at its headline k
         top = entry["k"][str(res["knn_k"])]
         out[f"{n}/class"] = f"{top['top1']:.2f} ± {top['top1_std']:.2f}"
     out["wall s"] = res.get("wall_time_s")

@@ -230,7 +230,6 @@ def report_test_split(run, step, test_loader, epoch: int) -> dict:
 def train(cfg):
     """Train as cfg.command says; return (run, model, results). `run(cfg)` is the CLI entry."""
     check_inputs(cfg)
-    demo = bool(cfg.demo)
     fitted = fit_demo_subset(cfg)
     run = Run(cfg)
     device = run.device
@@ -241,7 +240,7 @@ def train(cfg):
     ipe = sampler.batches_per_epoch
     plan, stretched = step_budget(cfg, len(dataset), ipe)
     E = plan["epochs"]
-    if demo:
+    if cfg.demo:
         run.print(demo_text(cfg, len(dataset), E) + (f" ({fitted})" if fitted else ""))
     if stretched:
         run.print(stretched)
@@ -274,40 +273,62 @@ def train(cfg):
             it += 1
             cadence.count(cfg.batch_size)
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
-                record = cadence.log_record(it)
-                record["lr"] = lr_sched[it - 1]
-                run.log(record, step=it)
-                if run.interactive:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}")
-                else:
-                    run.print(f"ep {epoch + 1}/{E} it {it}/{E * ipe} loss {record['loss']:.4f} "
-                              f"lr {record['lr']:.2e} {record['images_per_s']:.0f} img/s")
+                log_line(run, {**cadence.log_record(it), "lr": lr_sched[it - 1]}, bar,
+                         f"ep {epoch + 1}/{E} it {it}/{E * ipe}")
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
 
         cadence.read(it)  # <- sync point: the epoch's remaining steps
-        mean_loss = cadence.epoch.take().get("loss", float("nan"))
-        record = {"epoch": epoch + 1, "iteration": it, "train_loss": mean_loss, "lr": lr_sched[it - 1]}
-        if cadence.eval_due(epoch + 1):  # <- sync point: the test split
-            res = report_test_split(run, step, test_loader, epoch + 1)
-            results["history"].append(res)
-            record.update({k: v for k, v in res.items() if k != "epoch"})
-        run.log(record, step=it)
-        run.print(f"epoch {epoch + 1}/{E}: train loss {mean_loss:.4f}")
+        end_epoch(run, cadence, step, test_loader, results, epoch + 1, E, it, lr_sched[it - 1])  # <- sync point
         cadence.checkpoint(it)
 
     # ---- the end: test split, results --------------------------------------------------------
-    final = report_test_split(run, step, test_loader, E)
-    results["history"] = [h for h in results["history"] if h["epoch"] != E] + [final]
-    run.log({k: v for k, v in final.items()}, step=it)
-    summary = run.finish(summarize(cfg, E, ipe, results["history"], final, demo, n_params, n_classes, len(dataset),
+    final = final_test(run, step, test_loader, results, E, it)
+    summary = run.finish(summarize(cfg, E, ipe, results["history"], final, bool(cfg.demo), n_params, n_classes, len(dataset),
                                    cadence.timing_report()["train_images_per_s"], run, info, step.ema))
     if run.is_main:
-        print(f"{cfg.command} top1={final['top1']:.2f} top5={final['top5']:.2f} (best top1={summary['best_top1']:.2f} "
-              f"at epoch {summary['best_epoch']}; {cfg.model.name}, {E} epochs, {cfg.data.name} test split, "
-              f"{summary['wall_time_s']:.0f} s)", flush=True)
+        print(result_line(cfg, summary), flush=True)
     return run, model, summary
+
+
+def log_line(run, record: dict, bar, where: str) -> None:
+    """A log record into log.jsonl and TensorBoard, shown as the progress bar's loss or as a
+    printed line after `where`."""
+    run.log(record, step=record["iteration"])
+    if run.interactive:
+        bar.set_postfix(loss=f"{record['loss']:.3f}")
+    else:
+        run.print(f"{where} loss {record['loss']:.4f} lr {record['lr']:.2e} {record['images_per_s']:.0f} img/s")
+
+
+def end_epoch(run, cadence, step, test_loader, results: dict, epoch: int, epochs: int, it: int, lr: float) -> None:
+    """An epoch's record: its mean training loss and, every eval_every epochs, top-1 on the
+    test split (kept in results' history), logged and printed."""
+    mean_loss = cadence.epoch.take().get("loss", float("nan"))
+    record = {"epoch": epoch, "iteration": it, "train_loss": mean_loss, "lr": lr}
+    if cadence.eval_due(epoch):  # <- sync point: the test split
+        res = report_test_split(run, step, test_loader, epoch)
+        results["history"].append(res)
+        record.update({k: v for k, v in res.items() if k != "epoch"})
+    run.log(record, step=it)
+    run.print(f"epoch {epoch}/{epochs}: train loss {mean_loss:.4f}")
+
+
+def final_test(run, step, test_loader, results: dict, epochs: int, it: int) -> dict:
+    """Top-1 on the test split after the last epoch, the last entry of results' history
+    (in place of an evaluation of that epoch a resumed run may already hold), logged."""
+    final = report_test_split(run, step, test_loader, epochs)
+    results["history"] = [h for h in results["history"] if h["epoch"] != epochs] + [final]
+    run.log({k: v for k, v in final.items()}, step=it)
+    return final
+
+
+def result_line(cfg, summary: dict) -> str:
+    """The command's result on one line of stdout (what a script greps)."""
+    return (f"{cfg.command} top1={summary['top1']:.2f} top5={summary['top5']:.2f} "
+            f"(best top1={summary['best_top1']:.2f} at epoch {summary['best_epoch']}; {cfg.model.name}, "
+            f"{summary['epochs']} epochs, {cfg.data.name} test split, {summary['wall_time_s']:.0f} s)")
 
 
 def summarize(cfg, epochs: int, ipe: int, history: list[dict], final: dict, demo: bool, n_params: int, n_classes: int,

@@ -134,6 +134,17 @@ def test_a_moved_key_names_the_key_that_replaced_it(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_few_label_keys_old_name_names_the_new_one(tmp_path, capsys):
+    """knn.n_per_class / linear.n_per_class (and the short n_per_class=) became few_labels."""
+    for argv, new in ((["dino", "resmlp_s12", "knn.n_per_class=[1,5]"], "knn.few_labels=[1,5]"),
+                      (["knn", "timm:resmlp_12_224", "n_per_class=[1,5]"], "pass few_labels=[1,5]"),
+                      (["linear", "timm:resmlp_12_224", "linear.n_per_class=[2]"], "linear.few_labels=[2]")):
+        assert cli.main([*argv, f"out={tmp_path / 'run'}"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and new in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_limit_that_is_not_one_is_named():
     from resmlp.core.config import Limit
     assert Limit.from_spec({"above": 0, "max": 1}, "x").allows(1) and not Limit.from_spec({"above": 0}, "x").allows(0)

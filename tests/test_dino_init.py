@@ -313,10 +313,10 @@ def test_the_whole_loop_from_released_weights_on_a_folder(tmp_path):
     res = json.loads((run / "results.json").read_text())
     assert res["init_from"]["grid"] == [[8, 8], [4, 4]] and res["init_from"]["head"] == "new"
     assert "init_knn_top1" in res and "knn_top1" in res
-    assert main(["knn", str(run), "data=imagefolder", f"data.root={lab}", "k=3", "knn.n_per_class=[1,2]",
+    assert main(["knn", str(run), "data=imagefolder", f"data.root={lab}", "k=3", "knn.few_labels=[1,2]",
                  "knn.tries=2", f"out={tmp_path / 'knn'}"]) == 0
     few = json.loads((tmp_path / "knn" / "knn.json").read_text())
-    assert set(few["low_shot"]["results"]) == {"1", "2"}
+    assert set(few["few_labels"]["results"]) == {"1", "2"}
     assert main(["finetune", str(run), "data=imagefolder", f"data.root={lab}", "demo=false", "epochs=1",
                  "batch_size=4", "num_workers=0", "eval_every=0", "finetune.min_steps=0",
                  f"out={tmp_path / 'ft'}"]) == 0
@@ -348,7 +348,7 @@ def test_the_study_script_writes_its_folders_and_reads_its_runs(tmp_path):
     run.mkdir()
     (run / "results.json").write_text(json.dumps({
         "init_knn_top1": 50.0, "after_warmup_knn_top1": 50.0, "knn_top1": 55.0, "knn_k": 20, "wall_time_s": 9.0,
-        "knn_low_shot": {"results": {"1": {"k": {"20": {"top1": 20.0, "top1_std": 1.5}}}}}}))
+        "knn_few_labels": {"results": {"1": {"k": {"20": {"top1": 20.0, "top1_std": 1.5}}}}}}))
     (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"epoch": 0, "knn_top1": 50.0}, {"epoch": 1, "iteration": 3, "loss": 1.0}, {"epoch": 1, "knn_top1": 47.5},
         {"epoch": 2, "knn_top1": 55.0})) + "\n")

@@ -315,35 +315,35 @@ def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, caps
 
 
 def test_few_label_knn_and_linear_commands(mini_fmnist, run_dir, tmp_path, capsys):
-    """n_per_class= and tries= (knn.* / linear.*) on the cached features: the tables and the
+    """few_labels= and tries= (knn.* / linear.*) on the cached features: the tables and the
     JSON hold mean and std per n (and k); a clipped k is said once; refused before work
     where the mode cannot take them."""
     common = [f"data.root={mini_fmnist}", "num_workers=0", "device=cpu", f"features.cache_dir={tmp_path}/cache"]
-    assert cli("knn", run_dir, *common, "k=5,20", "n_per_class=[1,5]", "tries=3", f"out={tmp_path}/k") == 0
+    assert cli("knn", run_dir, *common, "k=5,20", "few_labels=[1,5]", "tries=3", f"out={tmp_path}/k") == 0
     out = capsys.readouterr().out
     assert "k-NN with few labels" in out and "±" in out
     assert out.count("n=1: k=20 clipped to the bank's 10 images") == 1     # once, not once per try
     knn = json.loads((tmp_path / "k" / "knn.json").read_text())
     assert set(knn["results"]) == {"5", "20"}                              # the whole bank, as without the keys
-    few = knn["low_shot"]
-    assert few["n_per_class"] == [1, 5] and few["tries"] == 3 and few["results"]["5"]["bank"] == 50
+    few = knn["few_labels"]
+    assert few["per_class"] == [1, 5] and few["tries"] == 3 and few["results"]["5"]["bank"] == 50
     cell = few["results"]["1"]["k"]["20"]
     assert cell["k_used"] == 10 and len(cell["tries"]) == 3 and {"top1", "top1_std", "top5", "top5_std"} <= set(cell)
     assert 0 <= cell["top1"] <= 100 and cell["top1_std"] >= 0
 
-    assert cli("linear", run_dir, *common, "linear.epochs=2", "linear.lrs=[0.01,0.1]", "n_per_class=[2]",
+    assert cli("linear", run_dir, *common, "linear.epochs=2", "linear.lrs=[0.01,0.1]", "few_labels=[2]",
                "tries=2", f"out={tmp_path}/l") == 0   # the same two short keys as knn's
     out = capsys.readouterr().out
     assert "features: loaded from cache" in out and "linear probe with few labels" in out
-    lin = json.loads((tmp_path / "l" / "linear.json").read_text())["low_shot"]
+    lin = json.loads((tmp_path / "l" / "linear.json").read_text())["few_labels"]
     r = lin["results"]["2"]
     assert r["bank"] == 20 and r["batch_size"] == 20 and len(r["tries"]) == 2 and {"top1_std", "top5_std"} <= set(r)
     assert all(t["lr"] in (0.01, 0.1) for t in r["tries"])
 
-    for bad in (["linear.mode=augmented", "linear.n_per_class=[2]"], ["linear.n_per_class=[0]"],
-                ["linear.tries=0"], ["linear.n_per_class=[1.5]"]):
+    for bad in (["linear.mode=augmented", "linear.few_labels=[2]"], ["linear.few_labels=[0]"],
+                ["linear.tries=0"], ["linear.few_labels=[1.5]"]):
         assert cli("linear", run_dir, *common, *bad, f"out={tmp_path}/bad") == 2, bad
-    for bad in (["knn.n_per_class=[0,5]"], ["knn.tries=0"], ["knn.n_per_class=abc"], ["T=1e-320"]):
+    for bad in (["knn.few_labels=[0,5]"], ["knn.tries=0"], ["knn.few_labels=abc"], ["T=1e-320"]):
         assert cli("knn", run_dir, *common, *bad, f"out={tmp_path}/bad") == 2, bad
     err = capsys.readouterr().err
     assert err.count("error:") == 8 and "use linear.mode=cached" in err and not (tmp_path / "bad").exists()

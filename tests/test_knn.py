@@ -1,5 +1,5 @@
 """k-NN: the exact search (eval/knn_search.py), its memory bound, the vote at any temperature,
-and few-label banks (eval/knn.py, eval/low_shot.py)."""
+and few-label banks (eval/knn.py, eval/few_labels.py)."""
 from __future__ import annotations
 
 import json
@@ -603,39 +603,39 @@ def test_the_gpu_scale_check_runs_on_the_cpu(monkeypatch):
 
 # --------------------------------------------------------------------------- few labels
 
-def test_low_shot_picks_are_class_balanced_seeded_and_differ_between_tries():
-    from resmlp.eval import low_shot
+def test_few_labels_picks_are_class_balanced_seeded_and_differ_between_tries():
+    from resmlp.eval import few_labels
     labels = torch.tensor([c for c, count in enumerate([30, 31, 29, 30, 40, 3]) for _ in range(count)])
     labels = labels[torch.randperm(labels.numel(), generator=torch.Generator().manual_seed(0))]
-    five = low_shot.picks(labels, 5, tries=4, seed=0)
+    five = few_labels.picks(labels, 5, tries=4, seed=0)
     for pick in five:
         assert torch.equal(pick, pick.unique())                                   # sorted, no repeats
         assert torch.bincount(labels[pick], minlength=6).tolist() == [5, 5, 5, 5, 5, 3]   # the short class: all 3
-    assert all(torch.equal(a, b) for a, b in zip(five, low_shot.picks(labels, 5, tries=4, seed=0)))   # seeded
+    assert all(torch.equal(a, b) for a, b in zip(five, few_labels.picks(labels, 5, tries=4, seed=0)))   # seeded
     assert len({tuple(p.tolist()) for p in five}) == 4                             # a new pick every try
-    assert not any(torch.equal(a, b) for a, b in zip(five, low_shot.picks(labels, 5, tries=4, seed=1)))
-    for small, large in zip(low_shot.picks(labels, 2, tries=4, seed=0), five):    # nested over n
+    assert not any(torch.equal(a, b) for a, b in zip(five, few_labels.picks(labels, 5, tries=4, seed=1)))
+    for small, large in zip(few_labels.picks(labels, 2, tries=4, seed=0), five):    # nested over n
         assert set(small.tolist()) <= set(large.tolist())
-    note = low_shot.short_classes(labels, 5, ["a", "b", "c", "d", "e", "f"])
+    note = few_labels.short_classes(labels, 5, ["a", "b", "c", "d", "e", "f"])
     assert note == "n=5: 1 classes hold fewer than 5 images, their picks all they have: f (3)"
-    assert low_shot.short_classes(labels, 3) is None
-    assert low_shot.sizes(None) == [] and low_shot.sizes([10, 1, 5, 5]) == [1, 5, 10] and low_shot.sizes(5) == [5]
+    assert few_labels.short_classes(labels, 3) is None
+    assert few_labels.sizes(None) == [] and few_labels.sizes([10, 1, 5, 5]) == [1, 5, 10] and few_labels.sizes(5) == [5]
 
 
-def test_low_shot_knn_reports_mean_and_std_over_tries_and_clips_k_once():
-    from resmlp.eval import low_shot
-    from resmlp.eval.knn import format_low_shot, knn_low_shot
+def test_few_labels_knn_reports_mean_and_std_over_tries_and_clips_k_once():
+    from resmlp.eval import few_labels
+    from resmlp.eval.knn import format_few_labels, knn_few_labels
     xtr, ytr, xte, yte = random_features(n_train=300, n_test=60, classes=6)
-    res = knn_low_shot(xtr, ytr, xte, yte, 6, ks=[1, 5, 20], temperature=0.07, n_per_class=[3, 1], tries=4,
+    res = knn_few_labels(xtr, ytr, xte, yte, 6, ks=[1, 5, 20], temperature=0.07, per_class=[3, 1], tries=4,
                        seed=7, backend="torch")
-    assert res["n_per_class"] == [1, 3] and res["tries"] == 4 and list(res["results"]) == ["1", "3"]
+    assert res["per_class"] == [1, 3] and res["tries"] == 4 and list(res["results"]) == ["1", "3"]
     assert res["results"]["1"]["bank"] == 6 and res["results"]["3"]["bank"] == 18
     for n, k, used in ((1, 1, 1), (1, 5, 5), (1, 20, 6), (3, 20, 18)):
         cell = res["results"][str(n)]["k"][str(k)]
         assert cell["k_used"] == used
         # each try is knn_evaluate on its own pick; mean and sample std over the tries
         top1 = [knn_evaluate(xtr[p], ytr[p], xte, yte, 6, ks=[used])[used]["top1"]
-                for p in low_shot.picks(ytr, n, 4, 7)]
+                for p in few_labels.picks(ytr, n, 4, 7)]
         assert [t["top1"] for t in cell["tries"]] == pytest.approx(top1)
         assert cell["top1"] == pytest.approx(np.mean(top1)) and cell["top1_std"] == pytest.approx(np.std(top1, ddof=1))
         assert "top5" in cell and "top5_std" in cell
@@ -643,16 +643,16 @@ def test_low_shot_knn_reports_mean_and_std_over_tries_and_clips_k_once():
     assert res["notes"] == ["n=1: k=20 clipped to the bank's 6 images", "n=3: k=20 clipped to the bank's 18 images"]
     json.dumps(res)                                           # knn.json / results.json hold it as it is
     whole = knn_evaluate(xtr, ytr, xte, yte, 6, ks=[1, 5, 20])
-    table = format_low_shot(res, whole, 300)
+    table = format_few_labels(res, whole, 300)
     assert table.count("clipped to the bank's 6 images") == 1 and "±" in table and "      6    20*" in table
     assert table.splitlines()[-4].split()[:3] == ["all", "300", "20"]   # the whole bank, then the notes
-    one = knn_low_shot(xtr, ytr, xte, yte, 6, ks=[5], temperature=0.07, n_per_class=[2], tries=1)
+    one = knn_few_labels(xtr, ytr, xte, yte, 6, ks=[5], temperature=0.07, per_class=[2], tries=1)
     assert one["results"]["2"]["k"]["5"]["top1_std"] is None
-    assert "±" not in format_low_shot(one).splitlines()[2]     # one try: no spread to show
+    assert "±" not in format_few_labels(one).splitlines()[2]     # one try: no spread to show
 
 
 def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch, fake_forward):
-    """knn_report(few_labels=True) with knn.n_per_class: the low-shot k-NN on the features
+    """knn_report(few_labels=True) with knn.few_labels: the few-label k-NN on the features
     its online k-NN kept (extracted once), printed as a table, returned for results.json.
     Only the network's forward passes are faked (fake_forward): online_knn and knn_report
     compose their results as in training."""
@@ -660,7 +660,7 @@ def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch, fake_f
 
     from resmlp.core.config import load_config
     from resmlp.eval import knn
-    from resmlp.ssl.train import knn_report
+    from resmlp.eval.judge import knn_report
 
     asked = []
     real = knn.online_knn
@@ -679,15 +679,15 @@ def test_the_trainers_final_knn_reports_few_labels(tmp_path, monkeypatch, fake_f
     monkeypatch.setattr(knn, "online_knn", online_knn)
     cfg = load_config("dino", "resmlp_s12", ["demo=false", f"out={tmp_path}", "data=imagefolder",
                                              f"data.root={labeled(tmp_path / 'lab', per_class=6)}", "knn.k=5",
-                                             "knn.n_per_class=[1,2]", "knn.tries=3"])
+                                             "knn.few_labels=[1,2]", "knn.tries=3"])
     run = FakeRun()
-    assert "knn_low_shot" not in knn_report(run, None, cfg, "epoch 1") and asked == [False]   # periodic: no
+    assert "knn_few_labels" not in knn_report(run, None, cfg, "epoch 1") and asked == [False]   # periodic: no
     out = knn_report(run, None, cfg, "teacher after training", few_labels=True)
     assert asked[-1] is True and out["knn_k"] == 5
-    few = out["knn_low_shot"]
+    few = out["knn_few_labels"]
     assert few["tries"] == 3 and few["results"]["1"]["k"]["5"]["k_used"] == 2 and "top1_std" in few["results"]["2"]["k"]["5"]
     table = run.printed[-1]
     assert "k-NN with few labels" in table and table.count("n=1: k=5 clipped to the bank's 2 images") == 1
-    cfg.knn.n_per_class = None
-    assert "knn_low_shot" not in knn_report(run, None, cfg, "end", few_labels=True) and asked[-1] is False
+    cfg.knn.few_labels = None
+    assert "knn_few_labels" not in knn_report(run, None, cfg, "end", few_labels=True) and asked[-1] is False
     json.dumps(out)

@@ -143,10 +143,10 @@ def test_two_checkpoints_fine_tuned_then_probed_each_keep_their_own_results(tmp_
 def test_knn_twice_with_other_settings_keeps_both_results(tmp_path, capsys):
     lab = labeled(tmp_path / "lab")
     run = dino_run(tmp_path / "runs", "fm1", lab, 1)
-    assert main(["knn", str(run), "k=3", "n_per_class=[2]", "tries=2", "num_workers=0"]) == 0
+    assert main(["knn", str(run), "k=3", "few_labels=[2]", "tries=2", "num_workers=0"]) == 0
     assert main(["knn", str(run), "k=5", "T=0.1", "num_workers=0"]) == 0
     first, second = lines(run / "evaluations.jsonl")
-    assert first["config"]["knn"]["k"] == 3 and first["results"]["low_shot"]   # the few-label table kept
+    assert first["config"]["knn"]["k"] == 3 and first["results"]["few_labels"]   # the few-label table kept
     assert second["config"]["knn"]["k"] == 5 and second["config"]["knn"]["temperature"] == 0.1
     assert first["name"] != second["name"] and first["name"].startswith(f"imagefolder-{lab.name}-")
     last = json.loads((run / "knn.json").read_text())                       # knn.json: the last result
@@ -154,7 +154,7 @@ def test_knn_twice_with_other_settings_keeps_both_results(tmp_path, capsys):
     # the run's own results.json is not an evaluator's to write
     assert not (run / "results.json").exists()
     # the same settings again: a third entry, the earlier two as they were
-    assert main(["knn", str(run), "k=3", "n_per_class=[2]", "tries=2", "num_workers=0"]) == 0
+    assert main(["knn", str(run), "k=3", "few_labels=[2]", "tries=2", "num_workers=0"]) == 0
     again = lines(run / "evaluations.jsonl")
     assert again[:2] == [first, second] and again[2]["name"] == first["name"]
 

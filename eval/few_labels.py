@@ -21,10 +21,10 @@ import torch
 from resmlp.core.config import as_list
 
 
-def sizes(n_per_class) -> list[int]:
-    """knn.n_per_class / linear.n_per_class as a sorted list (empty: null, the whole bank,
+def sizes(per_class) -> list[int]:
+    """knn.few_labels / linear.few_labels as a sorted list (empty: null, the whole bank,
     which a null inside the list also means); the values' range is the key's limit in the YAML."""
-    return sorted({int(v) for v in as_list(n_per_class) if v is not None}) if n_per_class is not None else []
+    return sorted({int(v) for v in as_list(per_class) if v is not None}) if per_class is not None else []
 
 
 def picks(labels, n: int, tries: int, seed: int) -> list[torch.Tensor]:
