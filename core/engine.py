@@ -426,7 +426,9 @@ class Cadence:
 
     log lines after the run's first iteration (as DINO's and timm's loops log their first:
     the run shows it trains as soon as its step is compiled), every cfg.log_every
-    iterations and at the last one; extra checkpoints every
+    iterations and at the last one, and after any iteration that ends cfg.log_every_s
+    seconds or more after the last line (slow steps still show progress; the ranks agree by
+    a host-side all-reduce, as for a stop signal); extra checkpoints every
     cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
     epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
@@ -452,6 +454,9 @@ class Cadence:
         self.results, self.state = results, state
         self.log_every, self.ckpt_every, self.eval_every = int(cfg.log_every), int(cfg.ckpt_every), int(cfg.eval_every)
         self.ckpt_epochs = int(cfg.get("ckpt_epochs", 1))
+        self.log_every_s = float(cfg.get("log_every_s", 0) or 0)
+        self.clock = time.monotonic  # the log's clock (a test swaps in its own)
+        self.logged_at = self.clock()
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
@@ -467,7 +472,11 @@ class Cadence:
         self.clock_from, self.paused, self.images = time.time(), 0.0, 0
 
     def log_due(self, it: int) -> bool:
-        return it % self.log_every == 0 or it == self.total or it == 1
+        if it % self.log_every == 0 or it == self.total or it == 1:
+            return True
+        if not self.log_every_s:
+            return False
+        return dist.any_rank(self.clock() - self.logged_at >= self.log_every_s)  # every rank logs, or none
 
     def checkpoint_due(self, it: int) -> bool:
         """A mid-epoch checkpoint (epoch ends always save)."""
@@ -496,6 +505,7 @@ class Cadence:
                   "images_per_s": self.images_since / max(dt, 1e-9),
                   "elapsed_s": round(time.time() - self.run.started, 1), **self.run.memory_mb()}
         self.interval_started, self.images_since = time.time(), 0
+        self.logged_at = self.clock()
         return record
 
     def count(self, images: int) -> None:

@@ -39,6 +39,7 @@ from resmlp.core import dist
 from resmlp.core.checkpoint import atomic_write
 from resmlp.core.compiling import uncompiled
 from resmlp.core.errors import UserError
+from resmlp.eval import memory
 
 CACHE_VERSION = 1
 
@@ -248,12 +249,13 @@ def _load_cached(path: Path, key: Mapping):
 def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, device="cpu",
                  batch_size: int = 256, num_workers: int = 0, n_last_blocks: int = 1,
                  cache_dir=None, use_cache: bool = True, amp_dtype: torch.dtype | None = None,
-                 transform=None, log: Callable[[str], None] | None = print) -> dict:
+                 transform=None, log: Callable[[str], None] | None = print, memory_gb=None) -> dict:
     """Eval-transform features of one split of data_cfg, from the cache or extracted.
     cache_dir: default default_cache_dir(info).
 
     batch_size is global (each process extracts its shard: dist.share). transform: default
-    resmlp.data.build_eval_transform.
+    resmlp.data.build_eval_transform. memory_gb: features.memory_gb; features that would pass
+    the budget are refused in one line before any image is read (eval/memory.py).
     Returns {'features': (N, D) float32, 'labels': (N,) int64, 'classes': list,
     'num_classes': int, 'cache': path or None, 'cached': bool, 'key': dict}.
     """
@@ -280,6 +282,10 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
     dataset = rdata.build_dataset(data_cfg, split, transform=transform)
     if len(dataset) == 0:
         raise UserError(f"the {split} split of {key['data']} is empty; check data.root / data.subset")
+    budget = memory.budget_bytes(memory_gb, device)
+    if budget is not None:
+        memory.check_features(len(dataset), memory.feature_width(model, dataset, device, n_last_blocks), budget,
+                              memory_gb, split)
     loader = rdata.build_loader(dataset, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
     feats, labels = extract_features(model, loader, device, amp_dtype, n_last_blocks, desc=f"{split} features")
     classes = list(getattr(dataset, "classes", []) or [])

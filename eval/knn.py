@@ -22,8 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
+from resmlp.core import dist
 from resmlp.core.errors import UserError
-from resmlp.eval import low_shot
+from resmlp.data.subset import make_subset
+from resmlp.eval import low_shot, memory
 from resmlp.eval.knn_search import BACKENDS, _as_tensor, backend_name, check_ks, knn_search
 from resmlp.eval.knn_search import faiss_gpu_works, query_neighbours, resolve_backend  # noqa: F401 - callers of eval.knn
 
@@ -190,7 +192,8 @@ def _cached_batches(loader, n: int, device, cache: dict, key: str, budget: int):
 
 def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, batch_size: int = 256,
                num_workers: int = 0, backend: str = "auto", amp_dtype=None,
-               train_split: str = "train", keep_features: bool = False, cache: dict | None = None) -> dict:
+               train_split: str = "train", keep_features: bool = False, cache: dict | None = None,
+               memory_gb=None) -> dict:
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
@@ -209,9 +212,12 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     each split's eval images there, on `device`, as the loader made them (when they fit in
     _CACHE_BYTES), and later calls extract from them in the same batches, with no dataset,
     workers or transforms: the same features, without the loader's cost at every call.
+    memory_gb: features.memory_gb. The bank is planned before any feature is extracted
+    (eval/memory.py): where the training split's features and the queries would pass the
+    budget, the bank is a class-balanced subset of the training split (one line says so,
+    once per cache), built afresh at every call rather than cached.
     """
     import resmlp.data as rdata
-    from resmlp.core import dist
     from resmlp.eval.features import extract_features
 
     temperature = check_temperature(temperature)
@@ -219,13 +225,19 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     device = torch.device(device)
     out, datasets = {}, {}
     keep = cache is not None and dist.world_size() == 1
+    budget = memory.budget_bytes(memory_gb, device)
+    n_bank, n_train = _plan_bank(model, data_cfg, transform, device, train_split, ks, budget, memory_gb, cache)
     for split in (train_split, "test"):
-        batches, ds = (cache.get(split) if keep else None), None
+        sized = split == train_split and n_bank < n_train  # a subset: not the images a cache holds
+        batches, ds = (cache.get(split) if keep and not sized else None), None
         if not batches:
             ds = rdata.build_dataset(data_cfg, split, transform=transform)
+            if sized:
+                ds = make_subset(ds, n_bank)
             batches = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
-            if keep and split not in cache:
-                batches = _cached_batches(batches, len(ds), device, cache, split, _CACHE_BYTES)
+            if keep and not sized and split not in cache:
+                room = _CACHE_BYTES if budget is None else min(_CACHE_BYTES, budget)
+                batches = _cached_batches(batches, len(ds), device, cache, split, room)
         if keep_features:  # the pictures index the images themselves, cached batches or not
             datasets[split] = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
         out[split] = extract_features(model, batches, device, amp_dtype, desc=f"knn {split}")
@@ -243,6 +255,30 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
         result["features"] = {"train": out[train_split], "test": out["test"]}
         result["datasets"] = {"train": datasets[train_split], "test": datasets["test"]}
     return result
+
+
+def _plan_bank(model, data_cfg, transform, device, train_split: str, ks, budget, memory_gb,
+               cache: dict | None) -> tuple[int, int]:
+    """online_knn's bank before extraction (eval/memory.py): (the training images it keeps,
+    the training split's images). The split sizes are counted once per cache; the features'
+    width is one image's forward (the same images serve several models: the teacher, the
+    raw pixels)."""
+    import resmlp.data as rdata
+    counts = cache.get("counts") if cache is not None else None
+    if counts is None:
+        counts = (len(rdata.build_dataset(data_cfg, train_split)), len(rdata.build_dataset(data_cfg, "test")))
+        if cache is not None:
+            cache["counts"] = counts
+    n_train, n_test = counts
+    if budget is None:
+        return n_train, n_train
+    width = memory.feature_width(model, rdata.build_dataset(data_cfg, "test", transform=transform), device)
+    n_bank, line = memory.plan_bank(n_train, n_test, width, budget, memory_gb, least=max(check_ks(ks, 2**62)))
+    said = cache.setdefault("said", set()) if cache is not None else set()
+    if line and line not in said and dist.is_main():
+        print(line, flush=True)
+        said.add(line)
+    return n_bank, n_train
 
 
 # --------------------------------------------------------------------------- command

@@ -23,15 +23,16 @@ from resmlp.data.datasets import eval_data, fit_demo_subset, no_labels_note, one
 from resmlp.data.folder import FileLists
 from resmlp.data.resumable import build_train_loader
 from resmlp.eval.knn import check_ks
+from resmlp.eval.memory import pixel_baseline
 from resmlp.ssl.health import CollapseWatch, collapse_kl, collapse_warning, drift_advice
 from resmlp.ssl.init import continuing
 from resmlp.ssl.networks import DinoHooks
 from resmlp.ssl.step import build_dino_step
 
 
-DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}) on {n} {c.data.name} "
-             "images for {c.epochs} epochs, to show the pipeline learns. The real run needs a GPU: on one, `bash "
-             "run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
+DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}, patch {c.model.patch_size}) on {n} "
+             "{c.data.name} images at {c.data.img_size} px for {c.epochs} epochs, to show the pipeline learns. The real "
+             "run needs a GPU: on one, `bash run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
 # A log line's values after "ep <epoch> it <iteration>", from the record run.log writes.
 LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teacher_temp:.3f} H_t {teacher_entropy:.2f} "
             "KL {teacher_kl_mean:.3f} {images_per_s:.0f} img/s")
@@ -53,7 +54,7 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
     res = online_knn(teacher_backbone, data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
                      batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
-                     keep_features=linear or picture or few, cache=cache)
+                     keep_features=linear or picture or few, cache=cache, memory_gb=cfg.features.memory_gb)
     k = res["knn_k"]
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
@@ -163,7 +164,12 @@ def train(cfg, hooks: DinoHooks | None = None):
                                          picture_step=0 if cfg.eval_every else None)
             run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
         if judge is not None and demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
-            results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=knn_images)
+            pixels = pixel_baseline(judge, cfg.data.img_size, cfg.features.memory_gb, device)  # sized to the memory
+            if pixels.line:
+                run.print(pixels.line)
+            if pixels.side is not None:
+                results["pixels"] = {**knn_report(run, pixels.model(), cfg, "raw pixels", cache=knn_images),
+                                     "side": pixels.side}
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
 
     judged = "" if judge is None or judge is cfg.data else f", judged on {judge.name} ({judge.root or 'found'})"
@@ -242,8 +248,9 @@ def summarize(run, cfg, results: dict, teacher, images_per_s: float) -> dict:
     fields (run.finish adds the wall time and the device)."""
     init, final = results.get("init"), results["final"]
     if init and final and run.is_main:
+        side = results.get("pixels", {}).get("side", cfg.data.img_size)
         pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
-                  if "pixels" in results else "")
+                  + (f" (at {side} px)" if side != cfg.data.img_size else "") if "pixels" in results else "")
         warm = results.get("after_warmup")
         warm = f"{warm['knn_top1']:.2f} after the head warm-up -> " if warm else ""
         run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {warm}{final['knn_top1']:.2f} after {cfg.epochs} "
