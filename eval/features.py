@@ -29,6 +29,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -112,8 +113,10 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
         batches = tqdm(loader, desc=desc, disable=not show, leave=False, dynamic_ncols=True)
     except ImportError:
         batches = loader
+    said = Progress(desc, _images_in(loader), enabled=dist.is_main() and not show)
     feats, labels = [], []
     for batch in batches:
+        said.batch(len(batch[0]))
         x, y = batch[0], batch[1]
         x = x.to(device, non_blocking=True)
         # a model the trainer compiled runs eager here: an extraction's batch sizes (its last,
@@ -148,6 +151,38 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
         keep[1:] = idx[1:] != idx[:-1]     # padded duplicates (DistributedSampler-style)
         f, y = f[keep], y[keep]
     return f, y
+
+
+# Without a terminal's bar, an extraction says where it is at least this often (seconds): a
+# long one (a k-NN at init over a large bank on a CPU) still shows progress in a log.
+PROGRESS_S = 20.0
+
+
+class Progress:
+    """extract_features' line every PROGRESS_S seconds where no bar shows (a log file)."""
+
+    def __init__(self, desc: str, total: int | None, enabled: bool, clock=time.monotonic):
+        self.desc, self.total, self.enabled, self.clock = desc, total, enabled, clock
+        self.started = self.said = clock()
+        self.done = 0
+
+    def batch(self, n: int) -> None:
+        """Before a batch of n images: a line when PROGRESS_S has passed since the last."""
+        now = self.clock()
+        if self.enabled and now - self.said >= PROGRESS_S:
+            of = f"/{self.total}" if self.total else ""
+            print(f"{self.desc}: {self.done}{of} images ({now - self.started:.0f} s)", flush=True)
+            self.said = now
+        self.done += n
+
+
+def _images_in(loader) -> int | None:
+    sampler = getattr(loader, "sampler", None)  # this process's share of the dataset
+    if sampler is not None and hasattr(sampler, "__len__"):
+        return len(sampler)
+    if isinstance(loader, list):  # online_knn's cached batches
+        return sum(len(b[0]) for b in loader)
+    return None
 
 
 def _shape_error(model: nn.Module, x: torch.Tensor, e: Exception):
