@@ -520,10 +520,20 @@ class Cadence:
 
     @contextlib.contextmanager
     def evaluating(self, final: bool = False):
-        """Time an evaluation apart from training (final=True: the end-of-run one)."""
+        """Time an evaluation apart from training (final=True: the end-of-run one). A stop
+        signal that ends it early (preempt.stop_between_batches) stops the run here, with a
+        checkpoint of the iterations trained since the last one."""
         t0 = time.time()
         try:
             yield
+        except preempt.StopInEvaluation as e:
+            it = self.last_read
+            if it != self.saved_at:
+                self._save(it)
+            kept = (f"after iteration {it} of {self.total}, with a checkpoint of it in {self.run.dir}: run the same "
+                    "command again (resume=auto) to continue" if it else
+                    "before training began, nothing to keep: the same command starts the run again")
+            raise Preempted(f"stopped by {e} during an evaluation {kept}") from None
         finally:
             dt = time.time() - t0
             self.paused += dt

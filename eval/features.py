@@ -36,7 +36,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from resmlp.core import dist
+from resmlp.core import dist, preempt
 from resmlp.core.checkpoint import atomic_write
 from resmlp.core.compiling import uncompiled
 from resmlp.core.errors import UserError
@@ -116,6 +116,7 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
     said = Progress(desc, _images_in(loader), enabled=dist.is_main() and not show)
     feats, labels = [], []
     for batch in batches:
+        preempt.stop_between_batches()  # a trainer's stop signal need not wait for the whole extraction
         said.batch(len(batch[0]))
         x, y = batch[0], batch[1]
         x = x.to(device, non_blocking=True)

@@ -104,3 +104,45 @@ def test_features_that_pass_the_budget_are_refused_before_extraction(tmp_path, m
     assert "\n" not in msg and msg.startswith("the train features of 40 images (3 wide) would take")
     assert "data.subset=20" in msg and "features.memory_gb=" in msg
     assert not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- a stop during an evaluation
+
+def test_a_stop_signal_ends_an_extraction_at_the_next_batch_and_the_run_keeps_its_training(monkeypatch, tmp_path):
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from resmlp.core import preempt
+    from resmlp.core.engine import Cadence
+    from resmlp.core.errors import Preempted
+    from resmlp.eval.features import extract_features
+
+    seen = []
+    loader = [(torch.rand(4, 3, 8, 8), torch.zeros(4)) for _ in range(5)]
+
+    class Counting(nn.Module):
+        def forward(self, x):
+            seen.append(len(x))
+            if len(seen) == 2:   # the signal comes while the second batch is extracted
+                os.kill(os.getpid(), signal.SIGTERM)
+            return tiny_features(x)
+
+    saved = []
+    run = SimpleNamespace(cfg=OmegaConf.create({"epochs": 1, "log_every": 50, "ckpt_every": 0, "eval_every": 0}),
+                          started=0.0, dir=tmp_path, memory_mb=dict, save=lambda state: saved.append(state["iteration"]))
+    with preempt.watch():
+        cadence = Cadence(run, iterations_per_epoch=10, start_it=0, results={}, state={})
+        with pytest.raises(Preempted, match="stopped by SIGTERM during an evaluation before training began"):
+            with cadence.evaluating():
+                extract_features(Counting(), loader, "cpu")
+        assert seen == [4, 4] and saved == []          # not one batch more; nothing trained, nothing saved
+        cadence.last_read = 7                          # 7 iterations trained since the last checkpoint (none)
+        with pytest.raises(Preempted, match="after iteration 7 of 10, with a checkpoint of it"):
+            with cadence.evaluating():
+                extract_features(Counting(), loader, "cpu")
+        assert saved == [7]
+    # outside a trainer's watch (the knn command) a signal noted earlier stops nothing
+    assert extract_features(Counting(), loader, "cpu")[0].shape == (20, 3)
