@@ -83,7 +83,11 @@ def where_budget(budget: int, memory_gb) -> str:
 
 @torch.no_grad()
 def feature_width(model: nn.Module, dataset, device, n_last_blocks: int = 1) -> int:
-    """The width of `model`'s features on `dataset`'s images: one image's forward."""
+    """The width of `model`'s features on `dataset`'s images: its num_features (a backbone's,
+    timm's convention) times n_last_blocks, else one image's forward (the raw pixels)."""
+    width = getattr(model, "num_features", None)
+    if isinstance(width, int) and width > 0:
+        return width * n_last_blocks
     from resmlp.core.compiling import uncompiled
     from resmlp.eval.features import forward_features
     was_training = model.training
