@@ -320,7 +320,7 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
         raise UserError(f"the {split} split of {key['data']} is empty; check data.root / data.subset")
     budget = memory.budget_bytes(memory_gb, device)
     if budget is not None:
-        memory.check_features(len(dataset), memory.feature_width(model, dataset, device, n_last_blocks), budget,
+        memory.check_features(len(dataset), memory.feature_width(model, dataset[0][0], device, n_last_blocks), budget,
                               memory_gb, split)
     loader = rdata.build_loader(dataset, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
     feats, labels = extract_features(model, loader, device, amp_dtype, n_last_blocks, desc=f"{split} features")

@@ -226,12 +226,15 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     out, datasets = {}, {}
     keep = cache is not None and dist.world_size() == 1
     budget = memory.budget_bytes(memory_gb, device)
-    n_bank, n_train = _plan_bank(model, data_cfg, transform, device, train_split, ks, budget, memory_gb, cache)
-    for split in (train_split, "test"):
+    splits = (train_split, "test")
+    cached = {split: cache.get(split) if keep else None for split in splits}
+    built = {split: rdata.build_dataset(data_cfg, split, transform=transform) for split in splits if not cached[split]}
+    n_bank, n_train = _plan_bank(model, device, splits, ks, budget, memory_gb, cache, built, cached)
+    for split in splits:
         sized = split == train_split and n_bank < n_train  # a subset: not the images a cache holds
-        batches, ds = (cache.get(split) if keep and not sized else None), None
+        batches, ds = (None if sized else cached[split]), built.get(split)
         if not batches:
-            ds = rdata.build_dataset(data_cfg, split, transform=transform)
+            ds = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
             if sized:
                 ds = make_subset(ds, n_bank)
             batches = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
@@ -257,22 +260,23 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     return result
 
 
-def _plan_bank(model, data_cfg, transform, device, train_split: str, ks, budget, memory_gb,
-               cache: dict | None) -> tuple[int, int]:
+def _plan_bank(model, device, splits, ks, budget, memory_gb, cache: dict | None, built: dict,
+               cached: dict) -> tuple[int, int]:
     """online_knn's bank before extraction (eval/memory.py): (the training images it keeps,
-    the training split's images). The split sizes are counted once per cache; the features'
-    width is one image's forward (the same images serve several models: the teacher, the
+    the training split's images). `built`: the splits' datasets online_knn made, `cached`:
+    their batches a cache kept. The split sizes are counted at the first call with a cache;
+    the features' width is asked of every model (the same images serve the teacher and the
     raw pixels)."""
-    import resmlp.data as rdata
     counts = cache.get("counts") if cache is not None else None
-    if counts is None:
-        counts = (len(rdata.build_dataset(data_cfg, train_split)), len(rdata.build_dataset(data_cfg, "test")))
+    if counts is None:  # the first call: nothing cached yet, both splits built
+        counts = tuple(len(built[split]) for split in splits)
         if cache is not None:
             cache["counts"] = counts
     n_train, n_test = counts
     if budget is None:
         return n_train, n_train
-    width = memory.feature_width(model, rdata.build_dataset(data_cfg, "test", transform=transform), device)
+    image = built["test"][0][0] if "test" in built else cached["test"][0][0][0]
+    width = memory.feature_width(model, image, device)
     n_bank, line = memory.plan_bank(n_train, n_test, width, budget, memory_gb, least=max(check_ks(ks, 2**62)))
     said = cache.setdefault("said", set()) if cache is not None else set()
     if line and line not in said and dist.is_main():
