@@ -176,18 +176,28 @@ def format_low_shot(res: dict, whole: dict | None = None, n_train: int | None = 
 _CACHE_BYTES = 2 * 2**30
 
 
-def _cached_batches(loader, n: int, device, cache: dict, key: str, budget: int):
-    """The loader's batches on `device`, kept in `cache[key]`, when all n images fit in
-    `budget` bytes; else the loader itself (and cache[key] = False: do not try again)."""
-    batches = []
-    for batch in loader:
-        x, y = batch[0].to(device, non_blocking=True), torch.as_tensor(batch[1]).to(device, non_blocking=True)
-        if not batches and x[:1].nbytes * n > budget:
-            cache[key] = False
-            return loader
-        batches.append((x, y))
-    cache[key] = batches
-    return batches
+class _Caching:
+    """The loader's batches on `device` as they pass to the extraction, kept in `cache[key]`
+    once all n images have passed, when they fit in `budget` bytes (else cache[key] = False:
+    do not try again). Kept while they pass, not before: the extraction's progress lines and
+    stop checks come with the first batch."""
+
+    def __init__(self, loader, n: int, device, cache: dict, key: str, budget: int):
+        self.loader, self.n, self.device, self.cache, self.key, self.budget = loader, n, device, cache, key, budget
+        self.sampler = getattr(loader, "sampler", None)  # extract_features counts its images
+
+    def __iter__(self):
+        kept = []
+        for batch in self.loader:
+            x = batch[0].to(self.device, non_blocking=True)
+            y = torch.as_tensor(batch[1]).to(self.device, non_blocking=True)
+            if kept is not None and not kept and x[:1].nbytes * self.n > self.budget:
+                self.cache[self.key], kept = False, None
+            if kept is not None:
+                kept.append((x, y))
+            yield x, y
+        if kept is not None:  # every batch passed: an extraction cut short keeps nothing
+            self.cache[self.key] = kept
 
 
 def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, batch_size: int = 256,
@@ -210,8 +220,9 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     are not broadcast.
     cache: a dict the caller keeps between calls (one process only): the first call puts
     each split's eval images there, on `device`, as the loader made them (when they fit in
-    _CACHE_BYTES), and later calls extract from them in the same batches, with no dataset,
-    workers or transforms: the same features, without the loader's cost at every call.
+    _CACHE_BYTES and the memory budget), and later calls extract from them in the same
+    batches, with no dataset, workers or transforms: the same features, without the
+    loader's cost at every call.
     memory_gb: features.memory_gb. The bank is planned before any feature is extracted
     (eval/memory.py): where the training split's features and the queries would pass the
     budget, the bank is a class-balanced subset of the training split (one line says so,
@@ -240,7 +251,7 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
             batches = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
             if keep and not sized and split not in cache:
                 room = _CACHE_BYTES if budget is None else min(_CACHE_BYTES, budget)
-                batches = _cached_batches(batches, len(ds), device, cache, split, room)
+                batches = _Caching(batches, len(ds), device, cache, split, room)
         if keep_features:  # the pictures index the images themselves, cached batches or not
             datasets[split] = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
         out[split] = extract_features(model, batches, device, amp_dtype, desc=f"knn {split}")
