@@ -47,8 +47,8 @@ PAPER = {
     "resmlp_s24": {"supervised": 79.4, "distill": 80.8, "dino_knn": 69.4, "dino_linear": 72.8, "finetune": 79.9},
 }
 # Keys that do not change what a run computes: a finished run is reused whatever they say.
-RUNTIME_KEYS = ("out", "name", "resume", "num_workers", "log_every", "ckpt_every", "eval_every",
-                "eval_batch_size", "device", "compile", "demo", "demo_overrides")
+RUNTIME_KEYS = ("out", "name", "resume", "num_workers", "log_every", "log_every_s", "ckpt_every", "eval_every",
+                "eval_batch_size", "device", "compile", "demo", "demo_overrides", "demo_data_overrides")
 
 
 @dataclass
