@@ -50,9 +50,8 @@ def test_budget_is_the_setting_or_a_fraction_of_what_is_available(monkeypatch):
     small_machine(monkeypatch, 8 * GB)
     assert memory.budget_bytes() == int(8 * GB * memory.BUDGET_FRACTION)
     assert memory.budget_bytes(memory_gb=1.5) == int(1.5 * GB)
-    assert memory.host_available.__module__  # patched; the real one reads /proc/meminfo here
     monkeypatch.undo()
-    have = memory.host_available()
+    have = memory.host_available()   # this machine's MemAvailable (/proc/meminfo), where it has one
     assert have is None or have > 0
 
 
