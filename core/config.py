@@ -145,9 +145,10 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
 
     OmegaConf.set_struct(cfg, True)
     cfg.demo = _demo_wanted(cfg, rest)
-    from_demo = len(cfg.demo_overrides) if cfg.demo else 0
-    if cfg.demo:
-        rest = [*cfg.demo_overrides, *rest]  # the command line still wins
+    # the data file's demo sizes only where the network starts here: a checkpoint's run keeps its own
+    demo = [*cfg.demo_overrides, *(cfg.demo_data_overrides if base is None else [])] if cfg.demo else []
+    from_demo = len(demo)
+    rest = [*demo, *rest]  # the command line still wins
     origin: dict = {}  # key -> where the value it holds now came from (for the messages)
     for i, o in enumerate(rest):
         key = _key_of(o)

@@ -54,10 +54,10 @@ RESUME_MAY_CHANGE = ("model.grad_checkpointing", "model.fused", "data.decode", "
 INPUT_KEYS = {"finetune": "checkpoint", "distill": "distill.teacher", "dino": "dino.init"}
 # Keys that do not change what a run computes: a finished run with other values of these is
 # still the run asked for ("nothing to do"; compare reuses it).
-RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "ckpt_every", "ckpt_epochs",
-                "eval_every", "eval_batch_size", "device", "compile", "demo", "demo_overrides", "launcher", "slurm",
-                "save_rank_weights", "features.batch_size", "features.cache", "features.cache_dir",
-                "data.download", *RESUME_MAY_CHANGE)
+RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "log_every_s", "ckpt_every",
+                "ckpt_epochs", "eval_every", "eval_batch_size", "device", "compile", "demo", "demo_overrides",
+                "demo_data_overrides", "launcher", "slurm", "save_rank_weights", "features.batch_size",
+                "features.cache", "features.cache_dir", "data.download", *RESUME_MAY_CHANGE)
 
 
 def seed_everything(seed: int) -> None:
@@ -505,7 +505,9 @@ class Cadence:
 
     log lines after the run's first iteration (as DINO's and timm's loops log their first:
     the run shows it trains as soon as its step is compiled), every cfg.log_every
-    iterations and at the last one; extra checkpoints every
+    iterations and at the last one, and after any iteration that ends cfg.log_every_s
+    seconds or more after the last line (slow steps still show progress; the ranks agree by
+    a host-side all-reduce, as for a stop signal); extra checkpoints every
     cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
     epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
@@ -534,6 +536,9 @@ class Cadence:
         self.log_every, self.ckpt_every = int(cfg.log_every), int(cfg.ckpt_every)
         self.eval_every = int(plan.get("eval_every", cfg.eval_every))
         self.ckpt_epochs = int(plan.get("ckpt_epochs", cfg.get("ckpt_epochs", 1)))
+        self.log_every_s = float(cfg.get("log_every_s", 0) or 0)
+        self.clock = time.monotonic  # the log's clock (a test swaps in its own)
+        self.logged_at = self.clock()
         self.tally = tally if tally is not None else DeviceTally()
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
@@ -549,7 +554,11 @@ class Cadence:
         self.clock_from, self.paused, self.images = time.time(), 0.0, 0
 
     def log_due(self, it: int) -> bool:
-        return it % self.log_every == 0 or it == self.total or it == 1
+        if it % self.log_every == 0 or it == self.total or it == 1:
+            return True
+        if not self.log_every_s:
+            return False
+        return dist.any_rank(self.clock() - self.logged_at >= self.log_every_s)  # every rank logs, or none
 
     def checkpoint_due(self, it: int) -> bool:
         """A mid-epoch checkpoint (epoch ends always save)."""
@@ -578,6 +587,7 @@ class Cadence:
                   "images_per_s": self.images_since / max(dt, 1e-9),
                   "elapsed_s": round(time.time() - self.run.started, 1), **self.run.memory_mb()}
         self.interval_started, self.images_since = time.time(), 0
+        self.logged_at = self.clock()
         return record
 
     def count(self, images: int) -> None:
@@ -592,10 +602,20 @@ class Cadence:
 
     @contextlib.contextmanager
     def evaluating(self, final: bool = False):
-        """Time an evaluation apart from training (final=True: the end-of-run one)."""
+        """Time an evaluation apart from training (final=True: the end-of-run one). A stop
+        signal that ends it early (preempt.stop_between_batches) stops the run here, with a
+        checkpoint of the iterations trained since the last one."""
         t0 = time.time()
         try:
             yield
+        except preempt.StopInEvaluation as e:
+            it = self.last_read
+            if it != self.saved_at:
+                self._save(it)
+            kept = (f"after iteration {it} of {self.total}, with a checkpoint of it in {self.run.dir}: run the same "
+                    "command again (resume=auto) to continue" if it else
+                    "before training began, nothing to keep: the same command starts the run again")
+            raise Preempted(f"stopped by {e} during an evaluation {kept}") from None
         finally:
             dt = time.time() - t0
             self.paused += dt

@@ -111,6 +111,21 @@ def got(signum: int) -> bool:
     return signum in _received
 
 
+class StopInEvaluation(Exception):
+    """A stop signal that ended an evaluation between two of its batches (see
+    stop_between_batches); the trainer's Cadence.evaluating saves what training there is."""
+
+
+def stop_between_batches() -> None:
+    """Between the batches of an evaluation (a feature extraction): raise StopInEvaluation
+    when this process received a stop signal, so that a long k-NN does not hold the stop
+    back for minutes. One process only: several must agree where they stop, which they do
+    at the trainer's iteration boundaries (agreed())."""
+    from resmlp.core import dist
+    if requested() and dist.world_size() == 1:
+        raise StopInEvaluation(received())
+
+
 def agreed() -> bool:
     """Whether any rank received a stop signal: every rank must call it at the same point."""
     from resmlp.core import dist  # here: the campaign's orchestrator watches signals without torch

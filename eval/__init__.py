@@ -1,6 +1,7 @@
 """Evaluation of frozen backbones, pictures of their features, and the commands that read finished runs.
 
 - features.py     extract_features and the on-disk feature cache (features_for)
+- memory.py       every feature bank sized to the machine's memory before it is built
 - knn.py          knn_classify / knn_evaluate (DINO protocol, exact, FAISS or torch),
                   online_knn for trainers, and the `knn` command
 - linear.py       train_linear_on_features (many lrs at once) and the `linear` command

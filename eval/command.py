@@ -166,7 +166,8 @@ def split_features(cfg, bb: Backbone, split: str, n_last_blocks: int = 1) -> dic
         bb.model, bb.info, cfg.data, split, device=bb.device,
         batch_size=int(cfg.features.batch_size), num_workers=int(cfg.num_workers),
         n_last_blocks=n_last_blocks, cache_dir=cache_dir,
-        use_cache=bool(cfg.features.cache), amp_dtype=bb.amp_dtype, log=log)
+        use_cache=bool(cfg.features.cache), amp_dtype=bb.amp_dtype, log=log,
+        memory_gb=cfg.features.get("memory_gb"))
 
 
 def checkpoint_summary(info: dict) -> dict:

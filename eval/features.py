@@ -29,16 +29,18 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
 
-from resmlp.core import dist
+from resmlp.core import dist, preempt
 from resmlp.core.checkpoint import atomic_write
 from resmlp.core.compiling import uncompiled
 from resmlp.core.errors import UserError
+from resmlp.eval import memory
 
 CACHE_VERSION = 1
 
@@ -111,8 +113,11 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
         batches = tqdm(loader, desc=desc, disable=not show, leave=False, dynamic_ncols=True)
     except ImportError:
         batches = loader
+    said = Progress(desc, _images_in(loader), enabled=dist.is_main() and not show)
     feats, labels = [], []
     for batch in batches:
+        preempt.stop_between_batches()  # a trainer's stop signal need not wait for the whole extraction
+        said.batch(len(batch[0]))
         x, y = batch[0], batch[1]
         x = x.to(device, non_blocking=True)
         # a model the trainer compiled runs eager here: an extraction's batch sizes (its last,
@@ -147,6 +152,38 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
         keep[1:] = idx[1:] != idx[:-1]     # padded duplicates (DistributedSampler-style)
         f, y = f[keep], y[keep]
     return f, y
+
+
+# Without a terminal's bar, an extraction says where it is at least this often (seconds): a
+# long one (a k-NN at init over a large bank on a CPU) still shows progress in a log.
+PROGRESS_S = 20.0
+
+
+class Progress:
+    """extract_features' line every PROGRESS_S seconds where no bar shows (a log file)."""
+
+    def __init__(self, desc: str, total: int | None, enabled: bool, clock=time.monotonic):
+        self.desc, self.total, self.enabled, self.clock = desc, total, enabled, clock
+        self.started = self.said = clock()
+        self.done = 0
+
+    def batch(self, n: int) -> None:
+        """Before a batch of n images: a line when PROGRESS_S has passed since the last."""
+        now = self.clock()
+        if self.enabled and now - self.said >= PROGRESS_S:
+            of = f"/{self.total}" if self.total else ""
+            print(f"{self.desc}: {self.done}{of} images ({now - self.started:.0f} s)", flush=True)
+            self.said = now
+        self.done += n
+
+
+def _images_in(loader) -> int | None:
+    sampler = getattr(loader, "sampler", None)  # this process's share of the dataset
+    if sampler is not None and hasattr(sampler, "__len__"):
+        return len(sampler)
+    if isinstance(loader, list):  # online_knn's cached batches
+        return sum(len(b[0]) for b in loader)
+    return None
 
 
 def _shape_error(model: nn.Module, x: torch.Tensor, e: Exception):
@@ -248,12 +285,13 @@ def _load_cached(path: Path, key: Mapping):
 def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, device="cpu",
                  batch_size: int = 256, num_workers: int = 0, n_last_blocks: int = 1,
                  cache_dir=None, use_cache: bool = True, amp_dtype: torch.dtype | None = None,
-                 transform=None, log: Callable[[str], None] | None = print) -> dict:
+                 transform=None, log: Callable[[str], None] | None = print, memory_gb=None) -> dict:
     """Eval-transform features of one split of data_cfg, from the cache or extracted.
     cache_dir: default default_cache_dir(info).
 
     batch_size is global (each process extracts its shard: dist.share). transform: default
-    resmlp.data.build_eval_transform.
+    resmlp.data.build_eval_transform. memory_gb: features.memory_gb; features that would pass
+    the budget are refused in one line before any image is read (eval/memory.py).
     Returns {'features': (N, D) float32, 'labels': (N,) int64, 'classes': list,
     'num_classes': int, 'cache': path or None, 'cached': bool, 'key': dict}.
     """
@@ -280,6 +318,10 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
     dataset = rdata.build_dataset(data_cfg, split, transform=transform)
     if len(dataset) == 0:
         raise UserError(f"the {split} split of {key['data']} is empty; check data.root / data.subset")
+    budget = memory.budget_bytes(memory_gb, device)
+    if budget is not None:
+        memory.check_features(len(dataset), memory.feature_width(model, dataset[0][0], device, n_last_blocks), budget,
+                              memory_gb, split)
     loader = rdata.build_loader(dataset, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
     feats, labels = extract_features(model, loader, device, amp_dtype, n_last_blocks, desc=f"{split} features")
     classes = list(getattr(dataset, "classes", []) or [])

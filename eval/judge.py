@@ -40,6 +40,7 @@ from resmlp.data import build_dataset, num_classes, train_split_for_ssl
 from resmlp.data import imagefolder
 from resmlp.data.datasets import DATASETS, LABELED, dataset_info, one_class_problem
 from resmlp.eval.knn_search import check_ks
+from resmlp.eval.memory import pixel_baseline
 
 
 def eval_data(cfg):
@@ -93,7 +94,7 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
     res = online_knn(teacher_backbone, data, run.device, ks=as_list(cfg.knn.k), temperature=temp,
                      batch_size=cfg.features.batch_size, num_workers=cfg.num_workers,
                      backend=cfg.knn.backend, amp_dtype=run.amp_dtype or torch.float32,
-                     keep_features=linear or picture or few, cache=cache)
+                     keep_features=linear or picture or few, cache=cache, memory_gb=cfg.features.memory_gb)
     k = res["knn_k"]
     out = {"knn_top1": res["knn_top1"], "knn_top5": res["knn_top5"], "knn_k": k, "knn_T": temp}
     run.print(f"[{tag}] knn top1={out['knn_top1']:.2f} top5={out['knn_top5']:.2f} (k={k}, T={temp:g})")
@@ -176,8 +177,9 @@ class HealthOnly:
         run, cfg, results = self.run, self.cfg, self.results
         init, final = results.get("init"), results["final"]
         if init and final and run.is_main:
+            side = results.get("pixels", {}).get("side", cfg.data.img_size)
             pixels = (f"; raw pixels on the same bank: {results['pixels']['knn_top1']:.2f}"
-                      if "pixels" in results else "")
+                      + (f" (at {side} px)" if side != cfg.data.img_size else "") if "pixels" in results else "")
             warm = results.get("after_warmup")
             warm = f"{warm['knn_top1']:.2f} after the head warm-up -> " if warm else ""
             run.print(f"k-NN top-1: {init['knn_top1']:.2f} at init -> {warm}{final['knn_top1']:.2f} after "
@@ -225,7 +227,12 @@ class Judge(HealthOnly):
                                              picture_step=0 if cfg.eval_every else None)
                 run.log({"epoch": 0, **results["init"]}, step=0)  # the k-NN curve in log.jsonl starts here
             if cfg.demo and "pixels" not in results:  # the bar features must clear: the same k-NN on raw pixels
-                results["pixels"] = knn_report(run, torch.nn.Flatten(), cfg, "raw pixels", cache=self.images)
+                pixels = pixel_baseline(self.data, cfg.data.img_size, cfg.features.memory_gb, run.device)  # sized to the memory
+                if pixels.line:
+                    run.print(pixels.line)
+                if pixels.side is not None:
+                    results["pixels"] = {**knn_report(run, pixels.model(), cfg, "raw pixels", cache=self.images),
+                                         "side": pixels.side}
 
     def after_epoch(self, epoch: int, it: int) -> None:
         """The k-NN every eval_every epochs, and where the head warm-up ends (results'

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
+from resmlp.core import dist
 from resmlp.core.errors import UserError
-from resmlp.eval import few_labels
+from resmlp.data.subset import make_subset
+from resmlp.eval import few_labels, memory
 from resmlp.eval.knn_search import BACKENDS, as_tensor, backend_name, check_ks, knn_search
 
 
@@ -173,23 +175,34 @@ def format_few_labels(res: dict, whole: dict | None = None, n_train: int | None 
 _CACHE_BYTES = 2 * 2**30
 
 
-def _cached_batches(loader, n: int, device, cache: dict, key: str, budget: int):
-    """The loader's batches on `device`, kept in `cache[key]`, when all n images fit in
-    `budget` bytes; else the loader itself (and cache[key] = False: do not try again)."""
-    batches = []
-    for batch in loader:
-        x, y = batch[0].to(device, non_blocking=True), torch.as_tensor(batch[1]).to(device, non_blocking=True)
-        if not batches and x[:1].nbytes * n > budget:
-            cache[key] = False
-            return loader
-        batches.append((x, y))
-    cache[key] = batches
-    return batches
+class _Caching:
+    """The loader's batches on `device` as they pass to the extraction, kept in `cache[key]`
+    once all n images have passed, when they fit in `budget` bytes (else cache[key] = False:
+    do not try again). Kept while they pass, not before: the extraction's progress lines and
+    stop checks come with the first batch."""
+
+    def __init__(self, loader, n: int, device, cache: dict, key: str, budget: int):
+        self.loader, self.n, self.device, self.cache, self.key, self.budget = loader, n, device, cache, key, budget
+        self.sampler = getattr(loader, "sampler", None)  # extract_features counts its images
+
+    def __iter__(self):
+        kept = []
+        for batch in self.loader:
+            x = batch[0].to(self.device, non_blocking=True)
+            y = torch.as_tensor(batch[1]).to(self.device, non_blocking=True)
+            if kept is not None and not kept and x[:1].nbytes * self.n > self.budget:
+                self.cache[self.key], kept = False, None
+            if kept is not None:
+                kept.append((x, y))
+            yield x, y
+        if kept is not None:  # every batch passed: an extraction cut short keeps nothing
+            self.cache[self.key] = kept
 
 
 def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, batch_size: int = 256,
                num_workers: int = 0, backend: str = "auto", amp_dtype=None,
-               train_split: str = "train", keep_features: bool = False, cache: dict | None = None) -> dict:
+               train_split: str = "train", keep_features: bool = False, cache: dict | None = None,
+               memory_gb=None) -> dict:
     """k-NN accuracy of a model being trained (e.g. the DINO teacher backbone), no cache.
 
     model: the backbone returning pooled features (num_classes=0), not DDP-wrapped;
@@ -206,11 +219,15 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     are not broadcast.
     cache: a dict the caller keeps between calls (one process only): the first call puts
     each split's eval images there, on `device`, as the loader made them (when they fit in
-    _CACHE_BYTES), and later calls extract from them in the same batches, with no dataset,
-    workers or transforms: the same features, without the loader's cost at every call.
+    _CACHE_BYTES and the memory budget), and later calls extract from them in the same
+    batches, with no dataset, workers or transforms: the same features, without the
+    loader's cost at every call.
+    memory_gb: features.memory_gb. The bank is planned before any feature is extracted
+    (eval/memory.py): where the training split's features and the queries would pass the
+    budget, the bank is a class-balanced subset of the training split (one line says so,
+    once per cache), built afresh at every call rather than cached.
     """
     import resmlp.data as rdata
-    from resmlp.core import dist
     from resmlp.eval.features import extract_features
 
     temperature = check_temperature(temperature)
@@ -218,13 +235,22 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
     device = torch.device(device)
     out, datasets = {}, {}
     keep = cache is not None and dist.world_size() == 1
-    for split in (train_split, "test"):
-        batches, ds = (cache.get(split) if keep else None), None
+    budget = memory.budget_bytes(memory_gb, device)
+    splits = (train_split, "test")
+    cached = {split: cache.get(split) if keep else None for split in splits}
+    built = {split: rdata.build_dataset(data_cfg, split, transform=transform) for split in splits if not cached[split]}
+    n_bank, n_train = _plan_bank(model, device, splits, ks, budget, memory_gb, cache, built, cached)
+    for split in splits:
+        sized = split == train_split and n_bank < n_train  # a subset: not the images a cache holds
+        batches, ds = (None if sized else cached[split]), built.get(split)
         if not batches:
-            ds = rdata.build_dataset(data_cfg, split, transform=transform)
+            ds = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
+            if sized:
+                ds = make_subset(ds, n_bank)
             batches = rdata.build_loader(ds, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
-            if keep and split not in cache:
-                batches = _cached_batches(batches, len(ds), device, cache, split, _CACHE_BYTES)
+            if keep and not sized and split not in cache:
+                room = _CACHE_BYTES if budget is None else min(_CACHE_BYTES, budget)
+                batches = _Caching(batches, len(ds), device, cache, split, room)
         if keep_features:  # the pictures index the images themselves, cached batches or not
             datasets[split] = ds if ds is not None else rdata.build_dataset(data_cfg, split, transform=transform)
         out[split] = extract_features(model, batches, device, amp_dtype, desc=f"knn {split}")
@@ -242,6 +268,31 @@ def online_knn(model, data_cfg, device, ks=(20,), temperature: float = 0.07, bat
         result["features"] = {"train": out[train_split], "test": out["test"]}
         result["datasets"] = {"train": datasets[train_split], "test": datasets["test"]}
     return result
+
+
+def _plan_bank(model, device, splits, ks, budget, memory_gb, cache: dict | None, built: dict,
+               cached: dict) -> tuple[int, int]:
+    """online_knn's bank before extraction (eval/memory.py): (the training images it keeps,
+    the training split's images). `built`: the splits' datasets online_knn made, `cached`:
+    their batches a cache kept. The split sizes are counted at the first call with a cache;
+    the features' width is asked of every model (the same images serve the teacher and the
+    raw pixels)."""
+    counts = cache.get("counts") if cache is not None else None
+    if counts is None:  # the first call: nothing cached yet, both splits built
+        counts = tuple(len(built[split]) for split in splits)
+        if cache is not None:
+            cache["counts"] = counts
+    n_train, n_test = counts
+    if budget is None:
+        return n_train, n_train
+    image = built["test"][0][0] if "test" in built else cached["test"][0][0][0]
+    width = memory.feature_width(model, image, device)
+    n_bank, line = memory.plan_bank(n_train, n_test, width, budget, memory_gb, least=max(check_ks(ks, 2**62)))
+    said = cache.setdefault("said", set()) if cache is not None else set()
+    if line and line not in said and dist.is_main():
+        print(line, flush=True)
+        said.add(line)
+    return n_bank, n_train
 
 
 # --------------------------------------------------------------------------- command

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from resmlp.core import preempt
 from resmlp.core.errors import UserError
 
 BACKENDS = ("auto", "faiss", "torch")
@@ -551,6 +552,7 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
         per = min(chunk_size, pass_rows(kc, budget))
         asked, missed = [], []
         for s in range(0, pending.numel(), per):
+            preempt.stop_between_batches()  # a trainer's stop signal need not wait for the whole search
             rows = pending[s:s + per]
             q = test[rows.to(test.device)]
             if whole:   # every training feature is a candidate: re-rank them all, no search

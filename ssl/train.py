@@ -25,9 +25,9 @@ from resmlp.ssl.networks import DinoHooks
 from resmlp.ssl.step import build_dino_step, dino_schedules
 
 
-DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}) on {n} {c.data.name} "
-             "images for {c.epochs} epochs, to show the pipeline learns. The real run needs a GPU: on one, `bash "
-             "run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
+DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}, patch {c.model.patch_size}) on {n} "
+             "{c.data.name} images at {c.data.img_size} px for {c.epochs} epochs, to show the pipeline learns. The real "
+             "run needs a GPU: on one, `bash run.sh dino resmlp_s12` trains the full preset; demo=false forces it here.")
 # A log line's values after "ep <epoch> it <iteration>", from the record run.log writes.
 LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teacher_temp:.3f} H_t {teacher_entropy:.2f} "
             "KL {teacher_kl_mean:.3f} {images_per_s:.0f} img/s")

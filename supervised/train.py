@@ -149,9 +149,9 @@ def build_test_loader(cfg, run):
 # ---- the command -----------------------------------------------------------------------------
 
 DEMO_TEXT = {
-    "supervised": "a small {m} on {n} training images for {e} epochs",
-    "distill": "a small {m} distilled on {n} training images for {e} epochs",
-    "finetune": "fine-tuning {m} on {n} training images for {e} epochs",
+    "supervised": "a small {m} on {n} training images at {px} px for {e} epochs",
+    "distill": "a small {m} distilled on {n} training images at {px} px for {e} epochs",
+    "finetune": "fine-tuning {m} on {n} training images at {px} px for {e} epochs",
 }
 
 
@@ -193,7 +193,7 @@ def demo_text(cfg, n_images: int, epochs: int) -> str:
     from resmlp.models import list_models
     size = (f" (dim {cfg.model.dim}, depth {cfg.model.depth})"
             if cfg.model.name in list_models() and cfg.model.dim else "")
-    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=n_images, e=epochs)
+    what = DEMO_TEXT[cfg.command].format(m=cfg.model.name + size, n=n_images, e=epochs, px=cfg.data.img_size)
     a = cfg.aug
     light = not a.auto_augment and not (a.mixup or a.cutmix)
     return (f"CPU demo: {what}, to show the pipeline learns"
