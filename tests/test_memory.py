@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
-from resmlp.data.datasets import eval_data
+from resmlp.eval.judge import eval_data
 from resmlp.eval import memory
 from resmlp.eval.features import features_for
 from resmlp.eval.knn import online_knn
