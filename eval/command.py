@@ -81,7 +81,7 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
     and the resolved config; the process group is left on any exit."""
     def run(cfg) -> int:
         started = time.time()
-        try:
+        with dist.leaving():
             bb = open_backbone(cfg, sub_dir, device)
             report = body(cfg, bb)
             if dist.is_main() and report is not None:
@@ -89,9 +89,6 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
                     **report, "checkpoint": checkpoint_summary(bb.info),
                     "wall_time_s": round(time.time() - started, 1), "config": to_dict(cfg)})
                 log(f"wrote {path}")
-            dist.barrier()
-        finally:
-            dist.cleanup()
         return 0
     return run
 
