@@ -117,7 +117,10 @@ def fit_demo_subset(cfg, lists: FileLists | None = None) -> str | None:
     if have >= int(n):
         return None
     cfg.data.subset = None
-    return f"the CPU demo takes all {have} images of the training split (data.subset={n} asks for more)"
+    # the demo's own size, which a user who set no subset never asked for
+    asked = f"the {n} its demo_overrides ask for" if f"data.subset={n}" in cfg.get("demo_overrides", []) else \
+        f"the data.subset={n} asked for"
+    return f"the CPU demo takes all {have} images of the training split, fewer than {asked}"
 
 
 def num_classes(data_cfg) -> int:
@@ -201,10 +204,16 @@ def eval_data(cfg):
         raise UserError(f"eval.root={root} is {'a file' if os.path.exists(os.path.expanduser(str(root))) else 'not there'}"
                         f"; give the folder that holds eval.data={name}'s files")
     base = OmegaConf.load(CONFIG_DIR / "defaults.yaml").data
-    return OmegaConf.merge(base, own, {
+    labeled = OmegaConf.merge(base, own, {
         "name": name, "root": judge.get("root", None), "subset": judge.get("subset", None),
         "img_size": cfg.data.img_size, "mean": cfg.data.mean, "std": cfg.data.std,
         "download": cfg.data.get("download", True), "skip_corrupt": cfg.data.get("skip_corrupt", False)})
+    # its folder's layout now, in errors that name eval.root (the set is read as data.root later)
+    if DATASETS[name].build is imagefolder.build:
+        imagefolder.check_layout(labeled, "eval.root")
+    elif DATASETS[name].build is fashion_mnist.build and root is not None:
+        fashion_mnist.locate(labeled, "eval.root")
+    return labeled
 
 
 def no_labels_note(cfg) -> str:
