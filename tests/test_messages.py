@@ -3,7 +3,6 @@ eval.root, a folder or a list file given to the wrong data set points at the one
 it, a key given at the wrong level points at where it lives, the demo's note does not blame a
 subset nobody set, and figures name the size of the network they show. Each bad input is one
 line, exit 2, nothing created."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +10,11 @@ import torch
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
 
+from test_inputs import one_line_error
+
 TINY_DINO = ["demo=false", "model.dim=16", "model.depth=2", "data.img_size=32", "model.patch_size=8",
              "data.local_size=16", "batch_size=4", "epochs=1", "dino.out_dim=32", "dino.hidden_dim=16",
              "dino.bottleneck_dim=8", "dino.n_local_crops=2", "num_workers=0", "eval_every=0"]
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.fixture(scope="module")
