@@ -78,8 +78,8 @@ def cleanup(together: bool = True) -> None:
 
     together: every rank is here on its way out (a normal end, or a stop they agreed on).
     They then meet at a barrier first, so that no rank closes its connections while a peer
-    is still finishing a collective over them: gloo's teardown racing a peer's last
-    messages aborted a process (SIGABRT, "terminate called without an active exception").
+    may still be finishing a collective over them (issue 36: a gloo process aborted in
+    that teardown, SIGABRT "terminate called without an active exception").
     Leaving on an error that other ranks may never reach skips the barrier: one rank
     waiting there would hold the job until the group's timeout instead of failing now.
     """
