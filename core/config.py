@@ -83,12 +83,27 @@ def _key_of(override: str) -> str:
 
 
 def _valid_keys_hint(cfg: DictConfig, key: str) -> str:
-    parent, _, _ = key.rpartition(".")
+    parent, _, leaf = key.rpartition(".")
+    # a key given at the wrong level (n_per_class= for knn.n_per_class=): name where it lives
+    nested = [path for path in _key_paths(OmegaConf.to_container(cfg, resolve=False))
+              if path.rpartition(".")[2] == leaf and path != key]
+    if nested:
+        return f"; did you mean {' or '.join(nested)}?"
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if isinstance(node, DictConfig):
         where = f"under {parent}" if parent else "at the top level"
         return f"; valid keys {where}: {', '.join(str(k) for k in node.keys())}"
     return ""
+
+
+def _key_paths(tree: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a nested dict, sections and leaves."""
+    paths = []
+    for k, v in tree.items():
+        paths.append(f"{prefix}{k}")
+        if isinstance(v, dict):
+            paths.extend(_key_paths(v, f"{prefix}{k}."))
+    return paths
 
 
 def load_config(command: str, model: str | None = None, overrides: Iterable[str] = (),

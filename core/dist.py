@@ -6,13 +6,14 @@ world of one, so callers never branch on "is this distributed".
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
-from resmlp.core.errors import UserError
+from resmlp.core.errors import Preempted, UserError
 
 _host_group = None  # a gloo group beside NCCL's, for host-side flags (any_rank)
 
@@ -72,11 +73,37 @@ def setup(requested_device: str = "auto") -> torch.device:
     return device
 
 
-def cleanup() -> None:
+def cleanup(together: bool = True) -> None:
+    """Leave the process group: the one teardown of trainers, evaluators and tests.
+
+    together: every rank is here on its way out (a normal end, or a stop they agreed on).
+    They then meet at a barrier first, so that no rank closes its connections while a peer
+    may still be finishing a collective over them (issue 36: a gloo process aborted in
+    that teardown, SIGABRT "terminate called without an active exception").
+    Leaving on an error that other ranks may never reach skips the barrier: one rank
+    waiting there would hold the job until the group's timeout instead of failing now.
+    """
     global _host_group
     if is_dist():
+        if together:
+            dist.barrier(group=_host_group)  # the host-side gloo group beside NCCL: no GPU wait
         dist.destroy_process_group()
     _host_group = None
+
+
+@contextlib.contextmanager
+def leaving():
+    """Runs the body, then leaves the process group (cleanup): together when the body ends
+    normally or by a stop every rank agreed on (Preempted), at once on any other error."""
+    try:
+        yield
+    except Preempted:
+        cleanup()
+        raise
+    except BaseException:
+        cleanup(together=False)
+        raise
+    cleanup()
 
 
 def barrier() -> None:

@@ -699,16 +699,17 @@ def command(train):
     line that says what to change."""
     def run(cfg) -> int:
         try:
-            with preempt.watch(ctrl_c=True):
-                train(cfg)
-        except torch.OutOfMemoryError:
-            raise UserError(out_of_memory_message(cfg)) from None
-        except KeyboardInterrupt:  # a second Ctrl-C (core.preempt)
-            raise KeyboardInterrupt(f"stopped at once by a second Ctrl-C; the same command continues from the last "
-                                    f"checkpoint in {run_dir(cfg)}, if there is one") from None
+            with dist.leaving():
+                try:
+                    with preempt.watch(ctrl_c=True):
+                        train(cfg)
+                except torch.OutOfMemoryError:  # read while the process group still says its size
+                    raise UserError(out_of_memory_message(cfg)) from None
+                except KeyboardInterrupt:  # a second Ctrl-C (core.preempt)
+                    raise KeyboardInterrupt(f"stopped at once by a second Ctrl-C; the same command continues from "
+                                            f"the last checkpoint in {run_dir(cfg)}, if there is one") from None
         finally:
             release_all()
-            dist.cleanup()
         return 0
     return run
 

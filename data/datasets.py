@@ -116,7 +116,10 @@ def fit_demo_subset(cfg, lists: FileLists | None = None) -> str | None:
     if have >= int(n):
         return None
     cfg.data.subset = None
-    return f"the CPU demo takes all {have} images of the training split (data.subset={n} asks for more)"
+    # the demo's own size, which a user who set no subset never asked for
+    asked = f"the {n} its demo_overrides ask for" if f"data.subset={n}" in cfg.get("demo_overrides", []) else \
+        f"the data.subset={n} asked for"
+    return f"the CPU demo takes all {have} images of the training split, fewer than {asked}"
 
 
 def num_classes(data_cfg) -> int:

@@ -121,17 +121,18 @@ def _download(target: str) -> str:
     return ""
 
 
-def locate(data_cfg) -> tuple[str, str]:
-    """(folder holding the four idx files, description of where they were found)."""
-    root = user_root(data_cfg)
+def locate(data_cfg, key: str = "data.root") -> tuple[str, str]:
+    """(folder holding the four idx files, description of where they were found). `key`:
+    the config key the user gave the root as (eval.root for the DINO run's labeled set)."""
+    root = user_root(data_cfg, key)
     if root is not None:
         found = find_idx_dir(root)
         if found is None:
             raise UserError(
-                f"data.root={root} holds no Fashion-MNIST: expected the four files "
+                f"{key}={root} holds no Fashion-MNIST: expected the four files "
                 f"train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
                 f"t10k-labels-idx1-ubyte (.gz or not) in it or in its FashionMNIST/raw/; "
-                f"fix data.root or unset it to search {', '.join(search_dirs())}")
+                f"fix {key} or unset it to search {', '.join(search_dirs())}")
         return found, found
     looked = search_dirs()
     for folder in looked:

@@ -36,34 +36,57 @@ def class_folders(split_dir: str) -> list[str]:
                   if not e.name.startswith(".") and e.is_dir(follow_symlinks=True))
 
 
-def split_dir(data_cfg, split: str) -> str:
-    """The folder of one split, after checking root and layout."""
+def split_dir(data_cfg, split: str, key: str = "data.root") -> str:
+    """The folder of one split, after checking root and layout; the errors name `key`, the
+    config key the user gave the root as (eval.root for the DINO run's labeled set)."""
     name = data_cfg.get("name", "imagefolder")
-    root = user_root(data_cfg)
+    root = user_root(data_cfg, key)
     if root is None:
-        raise UserError(f"data.root is not set: data.name={name} needs data.root=<folder>; {_LAYOUT}")
+        raise UserError(f"{key} is not set: data.name={name} needs {key}=<folder>; {_LAYOUT}")
     if not os.path.isdir(root):
-        raise UserError(f"data.root={root} does not exist; {_LAYOUT}")
+        raise UserError(f"{key}={root} does not exist; {_LAYOUT}")
     if split not in SPLIT_DIRS:
         raise UserError(f"data.name={name} has splits train and test (val/), not {split!r}")
     train = os.path.join(root, "train")
     if not os.path.isdir(train):
-        raise UserError(f"data.root={root} has no train/ folder; {_LAYOUT}")
+        raise UserError(f"{key}={root} has no train/ folder; {_LAYOUT}{_no_train_hint(root, key)}")
     folder = os.path.join(root, SPLIT_DIRS[split])
     if not os.path.isdir(folder):
-        raise UserError(f"data.root={root} has no {SPLIT_DIRS[split]}/ folder for the {split} split; {_LAYOUT}")
+        raise UserError(f"{key}={root} has no {SPLIT_DIRS[split]}/ folder for the {split} split; {_LAYOUT}")
     return folder
 
 
-def train_classes(data_cfg) -> list[str]:
+def _no_train_hint(root: str, key: str) -> str:
+    """What a root without train/ most likely is: one split of a labeled set, or images
+    without labels (the first image found, at any depth, ends the look)."""
+    parent = os.path.dirname(root)
+    if os.path.basename(root) in SPLIT_DIRS.values() and os.path.isdir(os.path.join(parent, "train")):
+        return f"; {root} is a split folder itself: pass {key}={parent}"
+    found = next((f for _, _, files in os.walk(root, followlinks=True) for f in files if is_image_file(f)), None)
+    if found is None:
+        return ""
+    if key == "data.root":
+        return "; it holds images without class folders: data=folder reads those (DINO needs no labels)"
+    return f"; it holds images without class folders: {key} needs a labeled set to score the k-NN"
+
+
+def train_classes(data_cfg, key: str = "data.root") -> list[str]:
     """Class names: the class folders of root/train/ (cheap: one directory listing)."""
-    train = split_dir(data_cfg, "train")
+    train = split_dir(data_cfg, "train", key)
     classes = class_folders(train)
     if not classes:
         loose = [f for f in os.listdir(train) if is_image_file(f)]
         extra = f" ({len(loose)} images lie directly in it: move them into class folders)" if loose else ""
-        raise UserError(f"{train} has no class folders{extra}; {_LAYOUT}")
+        unlabeled = "; data=folder reads images without labels" if key == "data.root" else ""
+        raise UserError(f"{train} has no class folders{extra}; {_LAYOUT}{unlabeled}")
     return classes
+
+
+def check_layout(data_cfg, key: str) -> None:
+    """train/ with class folders and val/ under the root, checked before any work, the
+    errors naming `key`."""
+    train_classes(data_cfg, key)
+    split_dir(data_cfg, "test", key)
 
 
 def check_classes(folder: str, classes: list[str]) -> None:

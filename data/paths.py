@@ -10,6 +10,7 @@ import contextlib
 import os
 
 from resmlp.core.errors import UserError
+from resmlp.data.images import is_image_file
 
 DATA_DIR_ENV = "RESMLP_DATA_DIR"
 
@@ -22,16 +23,32 @@ def data_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "resmlp", "datasets")
 
 
-def user_root(data_cfg) -> str | None:
+def user_root(data_cfg, key: str = "data.root") -> str | None:
     """`data.root` with `~` expanded, or None when it is not set. It names a folder: a file
-    there is an error that says so (every data set reads its root through here)."""
+    there is an error that says so (every data set reads its root through here). `key`: the
+    config key the user gave it as (eval.root for the DINO run's labeled set)."""
     root = data_cfg.get("root", None)
     if root is None or str(root) == "":
         return None
     path = os.path.abspath(os.path.expanduser(str(root)))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"data.root={path} is a file, not a folder: name the folder that holds the data set")
+        hint = ""
+        if key == "data.root" and _lists_images(path):
+            hint = (f"; a text file of image paths, one a line, is data.files={path}"
+                    + ("" if data_cfg.get("name") == "folder" else " with data=folder"))
+        raise UserError(f"{key}={path} is a file, not a folder: name the folder that holds the data set{hint}")
     return path
+
+
+def _lists_images(path: str) -> bool:
+    """Whether a file reads as a list of image paths (its first line names an image)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace")
+    except OSError:
+        return False
+    first = next((line.strip() for line in head.splitlines() if line.strip()), "")
+    return is_image_file(first)
 
 
 @contextlib.contextmanager

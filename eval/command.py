@@ -128,7 +128,7 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
     and the resolved config; the process group is left on any exit."""
     def run(cfg) -> int:
         started = time.time()
-        try:
+        with dist.leaving():
             bb = open_backbone(cfg, sub_dir, device)
             report = body(cfg, bb)
             if dist.is_main() and report is not None:
@@ -137,9 +137,6 @@ def eval_command(body, sub_dir: str | None = None, device: str | None = None):
                 path = write_json(bb.out_dir / f"{cfg.command}.json", record)
                 log(f"wrote {path}")
                 keep(cfg, bb, record)
-            dist.barrier()
-        finally:
-            dist.cleanup()
         return 0
     return run
 

@@ -37,7 +37,7 @@ from resmlp.core import dist
 from resmlp.core.config import as_list
 from resmlp.core.errors import UserError
 from resmlp.data import build_dataset, num_classes, train_split_for_ssl
-from resmlp.data import imagefolder
+from resmlp.data import fashion_mnist, imagefolder
 from resmlp.data.datasets import DATASETS, LABELED, dataset_info, one_class_problem
 from resmlp.eval.knn_search import check_ks
 from resmlp.eval.memory import pixel_baseline
@@ -65,10 +65,16 @@ def eval_data(cfg):
         raise UserError(f"eval.root={root} is {'a file' if os.path.exists(os.path.expanduser(str(root))) else 'not there'}"
                         f"; give the folder that holds eval.data={name}'s files")
     base = OmegaConf.load(CONFIG_DIR / "defaults.yaml").data
-    return OmegaConf.merge(base, own, {
+    labeled = OmegaConf.merge(base, own, {
         "name": name, "root": judge.get("root", None), "subset": judge.get("subset", None),
         "img_size": cfg.data.img_size, "mean": cfg.data.mean, "std": cfg.data.std,
         "download": cfg.data.get("download", True), "skip_corrupt": cfg.data.get("skip_corrupt", False)})
+    # its folder's layout now, in errors that name eval.root (the set is read as data.root later)
+    if DATASETS[name].build is imagefolder.build:
+        imagefolder.check_layout(labeled, "eval.root")
+    elif DATASETS[name].build is fashion_mnist.build and root is not None:
+        fashion_mnist.locate(labeled, "eval.root")
+    return labeled
 
 
 def no_labels_note(cfg) -> str:

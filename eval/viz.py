@@ -321,7 +321,7 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIG
                  inputs: FeatureInputs | None = None) -> dict:
     """Draw the requested figures of `model` into out_dir; return viz.json's content.
     The feature figures (neighbours, patch_pca) need `inputs`."""
-    from resmlp.models.load import describe
+    from resmlp.models.load import describe, model_label
 
     if any(f in FEATURE_FIGURES for f in figures) and inputs is None:
         raise UserError(f"viz.figures={list(figures)}: {', '.join(FEATURE_FIGURES)} need the data "
@@ -329,7 +329,7 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIG
     backbone = model   # the feature figures read the backbone as loaded (timm's too)
     model, mats, c = weight_inputs(model, info, figures, central, threshold)
     out_dir = Path(out_dir)
-    label = f"{info.get('model')} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
+    label = f"{model_label(info)} ({info.get('source')}{', ' + info['key'] if info.get('key') else ''})"
     result: dict = {"loaded": describe(info), "files": [], "notes": []}
     out_dir.mkdir(parents=True, exist_ok=True)
     if "cross_patch" in figures:

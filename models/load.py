@@ -587,9 +587,24 @@ def _classifier_rows(model: nn.Module, sd: Mapping) -> int | None:
     return None
 
 
+def model_label(info: Mapping) -> str:
+    """The loaded network's name as a reader should see it: the ResMLP's name where its
+    weights have that name's width and depth, else its sizes (a dim-64, depth-4 network
+    trained as `resmlp_s12 model.dim=64 model.depth=4` is no resmlp_s12)."""
+    from resmlp.models import ARCHS
+
+    name, arch = info.get("model", "?"), info.get("arch") or {}
+    spec = ARCHS.get(name)
+    if not info.get("is_resmlp") or spec is None or "dim" not in arch:
+        return str(name)
+    if (arch["dim"], arch.get("depth")) == (spec["dim"], spec["depth"]):
+        return name
+    return f"ResMLP (dim {arch['dim']}, depth {arch.get('depth')})"
+
+
 def describe(info: Mapping) -> str:
     """One line for reports: what was loaded."""
-    bits = [info.get("model", "?"), f"from {info.get('source')}"]
+    bits = [model_label(info), f"from {info.get('source')}"]
     if info.get("key"):
         bits.append(f"({info['key']})")
     if info.get("epoch") is not None:
@@ -598,5 +613,5 @@ def describe(info: Mapping) -> str:
     return " ".join(str(b) for b in bits)
 
 
-__all__ = ["describe", "infer_arch", "init_weights", "load_backbone", "load_classifier", "load_into",
+__all__ = ["describe", "infer_arch", "init_weights", "load_backbone", "load_classifier", "load_into", "model_label",
            "resmlp_from_state_dict", "timm_weights", "unwrap", "weights_hash"]

@@ -177,6 +177,7 @@ import sys, torch, torch.distributed as dist
 from torch._dynamo.utils import counters
 from resmlp.bench import rows as R
 from resmlp.core.config import load_config
+from resmlp.core.dist import cleanup
 from resmlp.data.crop_plan import crop_plan
 from resmlp.ssl.step import build_dino_step
 dist.init_process_group("gloo")
@@ -192,7 +193,7 @@ with torch.compiler.set_stance("default", force_backend="aot_eager"):
         R.call_step(step, [c[4 * rank:4 * rank + 4].clone() for c in crops])
 torch.save({"student": step.raw_student.state_dict(), "teacher": step.teacher.state_dict(),
             "graphs": counters["stats"]["unique_graphs"]}, sys.argv[1] + f"/rank{rank}.pt")
-dist.destroy_process_group()
+cleanup()  # the trainers' teardown: a barrier before the group goes
 """
 
 

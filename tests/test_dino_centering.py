@@ -85,12 +85,39 @@ def _free_port():
 
 def _sinkhorn_on_rank(rank, port, t, out_dir):
     import torch.distributed as dist
+
+    from resmlp.core.dist import leaving
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with leaving():  # the trainers' teardown: a barrier before the group goes
         mine = t.chunk(2)[rank]
         torch.save(DinoLoss(loss_cfg("sinkhorn")).targets(mine, TEMP), os.path.join(out_dir, f"q{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("end,together", [(None, True), ("Preempted", True), ("RuntimeError", False)])
+def test_the_group_is_left_at_a_barrier_only_when_every_rank_is_leaving(end, together, tmp_path, monkeypatch):
+    """core.dist.leaving, the one teardown of trainers, evaluators and these tests: a normal end
+    or an agreed stop meets at a barrier before the group goes (gloo's teardown raced a peer's
+    last messages without one); any other error leaves at once, since peers may never come."""
+    import torch.distributed as dist
+
+    from resmlp.core import dist as rdist
+    from resmlp.core.errors import Preempted
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append("barrier"))
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (calls.append("destroy"), destroy()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    errors = {"Preempted": Preempted, "RuntimeError": RuntimeError}
+    raised = None
+    try:
+        with rdist.leaving():
+            if end is not None:
+                raise errors[end]("stop")
+    except (Preempted, RuntimeError) as e:
+        raised = type(e).__name__
+    assert raised == end  # the error still reaches the caller
+    assert calls == (["barrier", "destroy"] if together else ["destroy"])
+    assert not rdist.is_dist()
 
 
 def test_sinkhorn_over_two_gloo_processes_is_over_the_global_batch(tmp_path):
@@ -161,10 +188,11 @@ def _koleo_step_on_rank(rank, port, out_dir):
     import torch.distributed as dist
 
     from resmlp.bench import rows as R
+    from resmlp.core.dist import leaving
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with leaving():
         cfg = load_config("dino", "resmlp_s12", KOLEO)
         plan = crop_plan(cfg)
         crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)  # the global batch
@@ -173,8 +201,6 @@ def _koleo_step_on_rank(rank, port, out_dir):
         step([c.chunk(2)[rank] for c in crops], 0.0, 0.04, 0.996, TEMP, 1)
         grads = {n: p.grad.clone() for n, p in step.raw_student.named_parameters() if p.grad is not None}
         torch.save({"stats": step.read(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -59,3 +59,21 @@ def test_every_declared_package_is_installed_by_requirements():
 def test_the_check_sees_a_pin_outside_its_range():
     assert not Requirement("torch>=2.9,<3").specifier.contains(exact_version(Requirement("torch==3.0.0")))
     assert Requirement("torch>=2.9,<3").specifier.contains(exact_version(Requirement("torch==2.9.1")))
+
+
+def test_every_config_yaml_is_package_data_of_a_declared_package():
+    """An installed copy finds its YAMLs (core/config.py reads them at resmlp/configs), and
+    setuptools warns about no folder of them: each folder under configs/ is a package named
+    in `packages`, and its package-data patterns take every YAML in it."""
+    from fnmatch import fnmatch
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = {pkg: REPO / folder for pkg, folder in tool["package-dir"].items()}
+    configs = package_dir["resmlp.configs"]
+    yamls = sorted(configs.rglob("*.yaml"))
+    assert yamls
+    for path in yamls:
+        package = ".".join(["resmlp.configs", *path.parent.relative_to(configs).parts])
+        assert package in tool["packages"], f"{path.relative_to(REPO)}: add {package!r} to pyproject's packages"
+        patterns = tool["package-data"].get(package, [])
+        assert any(fnmatch(path.name, p) for p in patterns), \
+            f"{path.relative_to(REPO)}: no package-data pattern of {package!r} takes it"
