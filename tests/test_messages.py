@@ -76,8 +76,10 @@ def test_a_list_file_given_as_data_root_points_at_data_files(data, says, folders
 
 
 def test_a_key_given_at_the_wrong_level_names_where_it_lives(tmp_path, capsys):
-    line = refused(["dino", "resmlp_s12", "n_per_class=[1,5]"], tmp_path, capsys)
-    assert line == "error: unknown config key 'n_per_class'; did you mean knn.n_per_class?"
+    line = refused(["dino", "resmlp_s12", "few_labels=[1,5]"], tmp_path, capsys)
+    assert line == "error: unknown config key 'few_labels'; did you mean knn.few_labels?"
+    line = refused(["dino", "resmlp_s12", "n_per_class=[1,5]"], tmp_path, capsys)  # the case, renamed since
+    assert "knn.few_labels" in line
     line = refused(["dino", "resmlp_s12", "root=/data"], tmp_path, capsys)
     assert line.endswith("did you mean data.root or eval.root?")
     line = refused(["dino", "resmlp_s12", "nosuchkey=1"], tmp_path, capsys)  # no such leaf: the keys there
