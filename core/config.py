@@ -22,6 +22,7 @@ A method file's sections add to those of the method it extends and of defaults.y
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -315,11 +316,45 @@ def check_values(cfg: DictConfig, limits: dict) -> None:
         value = OmegaConf.select(cfg, key, default="<missing>")
         if isinstance(value, str) and value == "<missing>":
             continue
-        many = isinstance(value, (list, ListConfig))
-        for v in (list(value) if many else [value]):
-            if not limit.allows(v):
-                raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
-                                f"{limit.describe(v)}")
+        _check_value(key, value, limit)
+
+
+def _check_value(key: str, value, limit: "Limit | Choice") -> None:
+    many = isinstance(value, (list, ListConfig))
+    for v in (list(value) if many else [value]):
+        if not limit.allows(v):
+            raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
+                            f"{limit.describe(v)}")
+
+
+@functools.lru_cache(maxsize=None)
+def all_choices() -> dict:
+    """{key: the words it may hold} for every key whose `limits:` entry (defaults.yaml or a
+    method file) is a list of words. Those entries are the one place the words are written:
+    code that checks, shows or walks a key's words reads them here."""
+    found: dict = {}
+    for path in [CONFIG_DIR / "defaults.yaml", *sorted((CONFIG_DIR / "method").glob("*.yaml"))]:
+        with open(path) as f:
+            limits = (yaml.safe_load(f) or {}).get("limits") or {}
+        for key, spec in limits.items():
+            if not isinstance(spec, list):
+                continue
+            words = Limit.from_spec(spec, f"{path}, limits.{key}").words
+            # a key two method files share (knn.* in dino.yaml and knn.yaml) must say the same there
+            if found.setdefault(key, words) != words:
+                raise ValueError(f"limits.{key} lists other words in {path.name} than elsewhere in configs/")
+    return found
+
+
+def choices(key: str) -> tuple:
+    """The words `key` may hold (its `limits:` list), e.g. choices("device")."""
+    return all_choices()[key]
+
+
+def check_choice(key: str, value) -> None:
+    """UserError unless `value` is one of `key`'s words: for code handed a value directly
+    (a library call) rather than through a config load_config checked."""
+    _check_value(key, value, Choice(choices(key)))
 
 
 def _show(value) -> str:
