@@ -24,10 +24,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resmlp.core.config import as_list, to_dict
+from resmlp.core.config import as_list, choices, to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 
-STAGES = ("tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench", "compare")
+STAGES = choices("campaign.stages")
 TRAINING = ("preset", "compare")
 BENCH = ("bench_fused", "bench")
 PROFILE = ("profile_preset", "profile_224")

@@ -33,11 +33,10 @@ from omegaconf import OmegaConf
 from resmlp.bench.jpegs import make_jpeg_folder, synthetic_image  # noqa: F401 - also the tests'
 from resmlp.bench.timing import (count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb, reset_memory,
                                  sync, threads)
-from resmlp.core.dist import cpu_cores
+from resmlp.core.dist import AMP_DTYPES, cpu_cores
 
 # One fixed point of the schedules for every timed step (after the frozen-last-layer epoch).
 LR, WD, MOMENTUM, TEACHER_TEMP, EPOCH = 1e-4, 0.04, 0.996, 0.04, 1
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Skip(Exception):
@@ -93,9 +92,9 @@ def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> li
 def autocast_for(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext
-    if precision not in ("bf16", "fp16"):
-        raise ValueError(f"precision {precision!r} is not one of bf16, fp16, fp32")
-    return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
+    if precision not in AMP_DTYPES:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(AMP_DTYPES)}")
+    return lambda: torch.autocast(device.type, dtype=AMP_DTYPES[precision])
 
 
 def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None):
@@ -434,7 +433,7 @@ def _e2e(ctx, state, where: str, decode: str = "cpu") -> dict:
     p, e, dev, step = ctx.p, ctx.p.e2e, ctx.device, state["step"]
     cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}, "data": {"decode": decode}})
     batch = int(p.batch_size)
-    views = build_views(cfg, crop_plan(cfg), out_dtype=DTYPES[p.precision] if dev.type == "cuda" else torch.float32,
+    views = build_views(cfg, crop_plan(cfg), out_dtype=AMP_DTYPES[p.precision] if dev.type == "cuda" else torch.float32,
                         device=dev)
     loader, sampler = build_train_loader(build_dataset(cfg.data, "train"), views.transform, batch, cfg.seed,
                                          cfg.num_workers, pin_memory=dev.type == "cuda", keyed=views.keyed,
@@ -517,14 +516,14 @@ def _inference_net(ctx, cfg, dims, kind: str, fold: bool):
         net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0, "fused": False}), num_classes=1000)
         if fold:
             net = fold_affine(net)
-    return net.to(ctx.device, DTYPES[str(ctx.p.inference.dtype)]).eval()
+    return net.to(ctx.device, AMP_DTYPES[str(ctx.p.inference.dtype)]).eval()
 
 
 def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
     """Eager inference of several networks, timed with alternating repeats: {name: fields}."""
     q, dev = ctx.p.inference, ctx.device
     reset_memory(dev)
-    x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=DTYPES[str(q.dtype)])
+    x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=AMP_DTYPES[str(q.dtype)])
     nets = {name: _inference_net(ctx, cfg, dims, kind, fold) for name, (kind, fold) in variants.items()}
 
     def runner(net):
@@ -541,7 +540,7 @@ def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
 
 def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
     q, dev = ctx.p.inference, ctx.device
-    dtype = DTYPES[str(q.dtype)]
+    dtype = AMP_DTYPES[str(q.dtype)]
     reset_memory(dev)
     net = _inference_net(ctx, cfg, dims, kind, fold)
     fwd = torch.compile(net) if comp else net

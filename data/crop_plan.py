@@ -43,7 +43,6 @@ from resmlp.core.errors import UserError
 
 STRATEGIES = ("resize", "interpolate", "subgrid", "none")
 AUGMENT_PLACES = ("device", "workers")
-DECODE_PLACES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,6 @@ def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
     views go (data.decode=gpu needs a CUDA one)."""
     from resmlp.data.datasets import dataset_info
     decode = cfg.data.get("decode", "cpu")
-    if decode not in DECODE_PLACES:
-        raise UserError(f"data.decode={decode!r} is not one of {', '.join(DECODE_PLACES)}")
     if decode == "gpu" and not dataset_info(cfg.data).files:
         raise UserError(f"data.decode=gpu decodes image files on the GPU, and data={cfg.data.name} holds its images "
                         "decoded in memory: nothing would be decoded there; use data.decode=cpu")

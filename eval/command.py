@@ -21,7 +21,7 @@ from resmlp.core.checkpoint import check_writable, resolve_checkpoint_path
 from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
 from resmlp.core.report import write_json
-from resmlp.eval.features import amp_dtype_from_precision, default_cache_dir, features_for
+from resmlp.eval.features import default_cache_dir, features_for
 from resmlp.models.load import describe, load_backbone
 
 
@@ -68,7 +68,7 @@ def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) ->
     dev = dist.setup(cfg.device) if device is None else torch.device(device)
     model, info = load_backbone(cfg.checkpoint, key=cfg.features.key, device=dev,
                                 pretrained=bool(cfg.features.pretrained), img_size=cfg.data.img_size)
-    amp = amp_dtype_from_precision(cfg.precision, dev)
+    amp = dist.amp_dtype(cfg.precision, dev)
     log(f"backbone: {describe(info)}")
     return Backbone(model, info, dev, amp, output_dir(cfg, info, sub_dir))
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 
 from resmlp.core.checkpoint import atomic_write, resolve_checkpoint_path
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.core.report import write_json
 from resmlp.models import export_state_dict
 from resmlp.models.load import load_backbone
 
-FORMATS = ("timm", "official", "safetensors")
 # timm's ResMLP entry points, by (dim, depth, patch size) at 224 px
 TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (384, 36, 16): "resmlp_36_224",
               (768, 24, 8): "resmlp_big_24_224"}
@@ -36,8 +36,7 @@ def export(spec, fmt: str = "timm", key: str = "teacher", out: str | None = None
     safetensors  this project's keys in a .safetensors file:
                  resmlp.models.load_pretrained(create_model(...), safetensors.torch.load_file(...))
     """
-    if fmt not in FORMATS:
-        raise UserError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    check_choice("export.format", fmt)
     model, info = load_backbone(spec, key=key, pretrained=False)
     if not info["is_resmlp"]:
         raise UserError(f"{spec} is a timm {info['model']}: it is a timm model already, nothing to export")
@@ -90,7 +89,7 @@ def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
                      "mean": data.get("mean", [0.485, 0.456, 0.406]), "std": data.get("std", [0.229, 0.224, 0.225]),
                      "crop_ratio": data.get("crop_ratio")}}
     timm_name = TIMM_NAMES.get((arch.get("dim"), arch.get("depth"), arch.get("patch_size")))
-    if fmt in ("timm", "official"):
+    if fmt != "safetensors":
         kwargs = {"num_classes": 0}
         if img != 224:
             kwargs["img_size"] = img
