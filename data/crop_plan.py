@@ -41,8 +41,6 @@ import torch
 
 from resmlp.core.errors import UserError
 
-STRATEGIES = ("resize", "interpolate", "subgrid", "none")
-AUGMENT_PLACES = ("device", "workers")
 
 
 @dataclass(frozen=True)
@@ -71,10 +69,6 @@ class CropPlan:
 def crop_plan(cfg) -> CropPlan:
     """The views of each image for the config's strategy, checked against the model."""
     d = cfg.dino
-    if d.augment not in AUGMENT_PLACES:
-        raise UserError(f"dino.augment={d.augment!r} is not one of {', '.join(AUGMENT_PLACES)}")
-    if d.local_crops not in STRATEGIES:
-        raise UserError(f"dino.local_crops={d.local_crops!r} is not one of {', '.join(STRATEGIES)}")
     g = int(cfg.data.img_size)
     local, n_local = int(cfg.data.local_size), int(d.n_local_crops)
     global_scale = tuple(d.global_crops_scale)
