@@ -42,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, top, out = _pop(args, "profile.steps", 20), _pop(args, "profile.top", 25), _pop(args, "profile.out", "")
     phases = _pop(args, "profile.phases", "loader,augment,step").split(",")
     from resmlp.core.config import load_config
-    from resmlp.data import build_dataset, train_split_for_ssl
-    from resmlp.data.decode import source_side
-    from resmlp.data.gpu_augment import GpuMultiCrop
-    from resmlp.data.resumable import build_train_loader
-    from resmlp.bench import rows as R
-    from resmlp.data.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,56 +57,79 @@ def main(argv: list[str] | None = None) -> int:
         report["phases"][name] = {"ms": 1e3 * seconds, "images_per_s": batch / seconds}
         print(f"{name:28s} {1e3 * seconds:9.2f} ms  {batch / seconds:10.0f} img/s", flush=True)
 
-    # ---- loader alone ------------------------------------------------------------------
-    if "loader" in phases:
-        views = build_views(cfg, plan, device=device)
-        dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
-        loader, sampler = build_train_loader(dataset, views.transform, batch, cfg.seed, cfg.num_workers,
-                                             pin_memory=device.type == "cuda", keyed=True, collate_fn=views.collate)
-        sampler.set_epoch(0)
-        it = iter(loader)
-        first = [next(it) for _ in range(5)][0]
-        images, sizes, keys = first.decode_on(device), first.sizes, first.keys
-        t = time.perf_counter()
-        n = 0
-        for _ in range(steps):
-            try:
-                next(it)
-            except StopIteration:
-                break
-            n += 1
-        record("loader", (time.perf_counter() - t) / max(1, n))
-    else:
-        side = source_side(cfg.data)  # random pixels at the largest source size
-        images = torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8)
-        sizes = torch.full((batch, 2), side)
-        keys = torch.arange(batch)
-
-    # ---- augmentation alone --------------------------------------------------------------
-    images, sizes, keys = images.to(device), sizes.to(device), keys.to(device)
-    for comp in sorted({False, bool(cfg.compile)}) if "augment" in phases else ():
-        aug = GpuMultiCrop.from_plan(plan, cfg.data, compile=comp,
-                                     out_dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
-        t = measure(lambda: aug(images, seed=0, keys=keys, sizes=sizes), device, 3, steps, 3)
-        record(f"augment {'compiled' if comp else 'eager'}", t.seconds)
-
-    # ---- the step alone, and profiled ---------------------------------------------------
-    crops = [c.to(torch.bfloat16) if precision == "bf16" else c
-             for c in R.synthetic_crops(plan, batch, device)]
-    for comp in sorted({False, bool(cfg.compile)}) if "step" in phases else ():
-        step = R.build_our_step(cfg, device, precision, comp)
-        t = measure(lambda: R.call_step(step, crops), device, 3, steps, 3)
-        record(f"step {'compiled' if comp else 'eager'}", t.seconds)
-        if device.type == "cuda":
-            report[f"kernels_{'compiled' if comp else 'eager'}"] = _profile(lambda: R.call_step(step, crops),
-                                                                            device, top)
-        step = None
-        torch._dynamo.reset()
+    sources = _time_loader(cfg, plan, device, steps, record) if "loader" in phases else _random_sources(cfg, batch)
+    images, sizes, keys = (x.to(device) for x in sources)
+    compiles = sorted({False, bool(cfg.compile)})
+    for comp in compiles if "augment" in phases else ():
+        _time_augment(cfg, plan, device, precision, comp, (images, sizes, keys), steps, record)
+    for comp in compiles if "step" in phases else ():
+        kernels = _time_step(cfg, plan, device, precision, comp, steps, top, record)
+        if kernels is not None:
+            report[f"kernels_{'compiled' if comp else 'eager'}"] = kernels
 
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "profile.json").write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _time_loader(cfg, plan, device, steps: int, record) -> tuple:
+    """The trainer's DataLoader alone (workers decode and collate), no device work; a batch
+    it made (images, sizes, keys) for the phases after it."""
+    from resmlp.data import build_dataset, train_split_for_ssl
+    from resmlp.data.crop_plan import build_views
+    from resmlp.data.resumable import build_train_loader
+    views = build_views(cfg, plan, device=device)
+    dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data))
+    loader, sampler = build_train_loader(dataset, views.transform, int(cfg.batch_size), cfg.seed, cfg.num_workers,
+                                         pin_memory=device.type == "cuda", keyed=True, collate_fn=views.collate)
+    sampler.set_epoch(0)
+    it = iter(loader)
+    first = [next(it) for _ in range(5)][0]
+    t = time.perf_counter()
+    n = 0
+    for _ in range(steps):
+        try:
+            next(it)
+        except StopIteration:
+            break
+        n += 1
+    record("loader", (time.perf_counter() - t) / max(1, n))
+    return first.decode_on(device), first.sizes, first.keys
+
+
+def _random_sources(cfg, batch: int) -> tuple:
+    """(images, sizes, keys) of random pixels at the largest source size: the augmentation's
+    input without the data set."""
+    from resmlp.data.decode import source_side
+    side = source_side(cfg.data)
+    return (torch.randint(0, 256, (batch, 3, side, side), dtype=torch.uint8), torch.full((batch, 2), side),
+            torch.arange(batch))
+
+
+def _time_augment(cfg, plan, device, precision: str, comp: bool, sources: tuple, steps: int, record) -> None:
+    """GpuMultiCrop alone on a device batch, eager or compiled."""
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    images, sizes, keys = sources
+    aug = GpuMultiCrop.from_plan(plan, cfg.data, compile=comp,
+                                 out_dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    t = measure(lambda: aug(images, seed=0, keys=keys, sizes=sizes), device, 3, steps, 3)
+    record(f"augment {'compiled' if comp else 'eager'}", t.seconds)
+
+
+def _time_step(cfg, plan, device, precision: str, comp: bool, steps: int, top: int, record) -> dict | None:
+    """DinoStep alone on synthetic crops, eager or compiled; on a GPU, profiled too (its
+    kernels, else None)."""
+    from resmlp.bench import rows as R
+    crops = [c.to(torch.bfloat16) if precision == "bf16" else c
+             for c in R.synthetic_crops(plan, int(cfg.batch_size), device)]
+    step = R.build_our_step(cfg, device, precision, comp)
+    t = measure(lambda: R.call_step(step, crops), device, 3, steps, 3)
+    record(f"step {'compiled' if comp else 'eager'}", t.seconds)
+    kernels = _profile(lambda: R.call_step(step, crops), device, top) if device.type == "cuda" else None
+    step = None
+    torch._dynamo.reset()
+    return kernels
 
 
 def _profile(fn, device, top: int, calls: int = 5) -> dict:

@@ -33,11 +33,10 @@ from omegaconf import OmegaConf
 from resmlp.bench.jpegs import make_jpeg_folder, synthetic_image  # noqa: F401 - also the tests'
 from resmlp.bench.timing import (count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb, reset_memory,
                                  sync, threads)
-from resmlp.core.dist import cpu_cores
+from resmlp.core.dist import AMP_DTYPES, cpu_cores
 
 # One fixed point of the schedules for every timed step (after the frozen-last-layer epoch).
 LR, WD, MOMENTUM, TEACHER_TEMP, EPOCH = 1e-4, 0.04, 0.996, 0.04, 1
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Skip(Exception):
@@ -93,9 +92,9 @@ def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> li
 def autocast_for(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext
-    if precision not in ("bf16", "fp16"):
-        raise ValueError(f"precision {precision!r} is not one of bf16, fp16, fp32")
-    return lambda: torch.autocast(device.type, dtype=DTYPES[precision])
+    if precision not in AMP_DTYPES:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(AMP_DTYPES)}")
+    return lambda: torch.autocast(device.type, dtype=AMP_DTYPES[precision])
 
 
 def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None):
@@ -434,7 +433,7 @@ def _e2e(ctx, state, where: str, decode: str = "cpu") -> dict:
     p, e, dev, step = ctx.p, ctx.p.e2e, ctx.device, state["step"]
     cfg = OmegaConf.merge(state["cfg"], {"dino": {"augment": where}, "data": {"decode": decode}})
     batch = int(p.batch_size)
-    views = build_views(cfg, crop_plan(cfg), out_dtype=DTYPES[p.precision] if dev.type == "cuda" else torch.float32,
+    views = build_views(cfg, crop_plan(cfg), out_dtype=AMP_DTYPES[p.precision] if dev.type == "cuda" else torch.float32,
                         device=dev)
     loader, sampler = build_train_loader(build_dataset(cfg.data, "train"), views.transform, batch, cfg.seed,
                                          cfg.num_workers, pin_memory=dev.type == "cuda", keyed=views.keyed,
@@ -517,14 +516,14 @@ def _inference_net(ctx, cfg, dims, kind: str, fold: bool):
         net = build_model(OmegaConf.merge(cfg.model, {"drop_path_rate": 0.0, "fused": False}), num_classes=1000)
         if fold:
             net = fold_affine(net)
-    return net.to(ctx.device, DTYPES[str(ctx.p.inference.dtype)]).eval()
+    return net.to(ctx.device, AMP_DTYPES[str(ctx.p.inference.dtype)]).eval()
 
 
 def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
     """Eager inference of several networks, timed with alternating repeats: {name: fields}."""
     q, dev = ctx.p.inference, ctx.device
     reset_memory(dev)
-    x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=DTYPES[str(q.dtype)])
+    x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=AMP_DTYPES[str(q.dtype)])
     nets = {name: _inference_net(ctx, cfg, dims, kind, fold) for name, (kind, fold) in variants.items()}
 
     def runner(net):
@@ -541,7 +540,7 @@ def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
 
 def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
     q, dev = ctx.p.inference, ctx.device
-    dtype = DTYPES[str(q.dtype)]
+    dtype = AMP_DTYPES[str(q.dtype)]
     reset_memory(dev)
     net = _inference_net(ctx, cfg, dims, kind, fold)
     fwd = torch.compile(net) if comp else net
@@ -751,74 +750,106 @@ def _knn_raw(ctx, train, test, dtype) -> dict:
 # --------------------------------------------------------------------------- augmentation
 
 def aug_family(ctx) -> None:
-    from resmlp.data import build_multicrop_transform
-    from resmlp.data.decode import SourceDecoder, collate_sources, source_side
-    from resmlp.data.gpu_augment import GpuMultiCrop
-    from resmlp.data.transforms import mean_std
+    """DINO's multi-crop augmentation: ours, lightly's and the GPU path's on the same images,
+    per CPU core, then the GPU path on the device."""
     from resmlp.data.crop_plan import crop_plan
+    from resmlp.data.decode import SourceDecoder, collate_sources, source_side
     a, p = ctx.p.aug, ctx.p
     cfg = dino_config(p, ctx.models[0], "subgrid")
     plan = crop_plan(cfg)
-    mean, std = mean_std(cfg.data)
     rng = np.random.default_rng(1)
     sides = rng.integers(int(a.min_px), int(a.max_px) + 1, (int(a.n_images), 2))
     images = [synthetic_image(int(w), int(h), i) for i, (w, h) in enumerate(sides)]
     few = images[:max(1, int(a.cpu_images))]
-    label = plan.label()
     side = source_side(cfg.data)  # what the trainer's loader delivers
     source = SourceDecoder(side)
     sources = collate_sources([(source(im), 0, i) for i, im in enumerate(images[:int(a.batch_size)])])
     batch, sizes = sources.images, sources.sizes
 
-    # Per CPU core: every transform on the same images, timed in alternating repeats.
-    per_core = {}   # key -> (identity, callable over the images, number of images)
-    ours = build_multicrop_transform(cfg.data, plan.global_size, plan.local_size, plan.n_local,
-                                     plan.global_scale, plan.local_scale)
-    per_core["ours"] = ({"impl": "ours CPU (build_multicrop_transform)", "crops": label}, _over(ours, few), len(few))
-    try:
-        need_lightly()
-        from lightly.transforms import DINOTransform
-        lightly_t = DINOTransform(global_crop_size=plan.global_size, global_crop_scale=plan.global_scale,
-                                  local_crop_size=plan.local_size, local_crop_scale=plan.local_scale,
-                                  n_local_views=plan.n_local, normalize={"mean": list(mean), "std": list(std)})
-        per_core["lightly"] = ({"impl": "lightly DINOTransform", "crops": label}, _over(lightly_t, few), len(few))
-    except Skip as e:
-        reason = str(e)
-
-        def skipped():
-            raise Skip(reason)
-        ctx.attempt("aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, skipped)
-    per_core["source"] = ({"impl": f"SourceDecoder({side}) of a PIL image (GPU path's loader side)",
-                           "crops": "-"}, _over(source, few), len(few))
-    for interp in a.interpolation:
-        aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(interp))
-        xb, sb = batch[:len(few)], sizes[:len(few)]
-        per_core[f"gpu_{interp}"] = ({"impl": f"GpuMultiCrop {interp} eager", "crops": label},
-                                     lambda aug=aug, xb=xb, sb=sb: aug(xb, seed=0, sizes=sb), len(xb))
-    timed: dict = {}
-    failure: Exception | None = None
-    try:
-        with threads(1):
-            torch.manual_seed(0)
-            timed.update(measure_interleaved({k: v[1] for k, v in per_core.items()}, torch.device("cpu"),
-                                             warmup=1, calls=1, repeats=max(3, int(p.repeats))))
-    except Exception as e:  # noqa: BLE001 - reported on every line below
-        failure = e
-    for key, (ident, _, n) in per_core.items():
-        def fields(key=key, n=n):
-            if key not in timed:
-                raise failure
-            t = timed[key]
-            return {"images_per_s": n / t.seconds, "per_core": True, "spread": t.spread, "interleaved": True}
-        ctx.attempt("aug", {**ident, "where": "cpu", "threads": 1}, fields)
-
+    per_core = _cpu_transforms(ctx, cfg, plan, few, source, side, batch[:len(few)], sizes[:len(few)])
+    _time_per_core(ctx, per_core, max(3, int(p.repeats)))
     if ctx.device.type == "cuda":
         for interp in a.interpolation:
             for comp in a.device_compile:
                 ident = {"impl": f"GpuMultiCrop {interp} {'compile' if comp else 'eager'}", "where": "cuda",
-                         "threads": None, "crops": label}
+                         "threads": None, "crops": plan.label()}
                 ctx.attempt("aug", ident, lambda: _gpu_aug_rate(ctx, plan, cfg, batch, sizes, str(interp),
                                                                  bool(comp), ctx.device))
+
+
+def _cpu_transforms(ctx, cfg, plan, few, source, side, xb, sb) -> dict:
+    """key -> (identity, callable over the images, number of images): every transform the
+    CPU runs, over the same images (`few` as PIL images, `xb`/`sb` as the loader's sources)."""
+    from resmlp.data import build_multicrop_transform
+    from resmlp.data.gpu_augment import GpuMultiCrop
+    label = plan.label()
+    per_core = {}
+    ours = build_multicrop_transform(cfg.data, plan.global_size, plan.local_size, plan.n_local,
+                                     plan.global_scale, plan.local_scale)
+    per_core["ours"] = ({"impl": "ours CPU (build_multicrop_transform)", "crops": label}, _over(ours, few), len(few))
+    try:
+        lightly_t = _lightly_dino(plan, cfg.data)
+        per_core["lightly"] = ({"impl": "lightly DINOTransform", "crops": label}, _over(lightly_t, few), len(few))
+    except Skip as e:
+        _skipped(ctx, "aug", {"impl": "lightly DINOTransform", "where": "cpu", "threads": 1, "crops": label}, e)
+    per_core["source"] = ({"impl": f"SourceDecoder({side}) of a PIL image (GPU path's loader side)",
+                           "crops": "-"}, _over(source, few), len(few))
+    for interp in ctx.p.aug.interpolation:
+        aug = GpuMultiCrop.from_plan(plan, cfg.data, interpolation=str(interp))
+        per_core[f"gpu_{interp}"] = ({"impl": f"GpuMultiCrop {interp} eager", "crops": label},
+                                     lambda aug=aug: aug(xb, seed=0, sizes=sb), len(xb))
+    return per_core
+
+
+def _time_per_core(ctx, per_core: dict, repeats: int) -> None:
+    """Per CPU core: the transforms timed in alternating repeats, a line each."""
+    timed, failure = _interleaved_on_one_core({k: v[1] for k, v in per_core.items()}, repeats)
+    lines = {key: (ident, n) for key, (ident, _, n) in per_core.items()}
+    _attempt_each(ctx, "aug", lines, timed, failure,
+                  lambda key, t: {"images_per_s": lines[key][1] / t.seconds, "per_core": True, "spread": t.spread,
+                                  "interleaved": True})
+
+
+def _interleaved_on_one_core(calls: dict, repeats: int) -> tuple[dict, Exception | None]:
+    """({key: timing}, None), or what stopped the timing: `calls` timed in alternating
+    repeats on one CPU thread."""
+    try:
+        with threads(1):
+            torch.manual_seed(0)
+            return measure_interleaved(calls, torch.device("cpu"), warmup=1, calls=1, repeats=repeats), None
+    except Exception as e:  # noqa: BLE001 - reported on every line
+        return {}, e
+
+
+def _attempt_each(ctx, family: str, lines: dict, timed: dict, failure, fields) -> None:
+    """A line of `family` per key of `lines` ({key: (identity, ...)}), on one CPU thread:
+    fields(key, its timing), or the failure that left it untimed."""
+    for key, (ident, *_) in lines.items():
+        def line(key=key):
+            if key not in timed:
+                raise failure
+            return fields(key, timed[key])
+        ctx.attempt(family, {**ident, "where": "cpu", "threads": 1}, line)
+
+
+def _lightly_dino(plan, data_cfg):
+    """lightly's DINOTransform with the crops of `plan` (Skip without lightly)."""
+    from resmlp.data.transforms import mean_std
+    need_lightly()
+    from lightly.transforms import DINOTransform
+    mean, std = mean_std(data_cfg)
+    return DINOTransform(global_crop_size=plan.global_size, global_crop_scale=plan.global_scale,
+                         local_crop_size=plan.local_size, local_crop_scale=plan.local_scale,
+                         n_local_views=plan.n_local, normalize={"mean": list(mean), "std": list(std)})
+
+
+def _skipped(ctx, family: str, ident: dict, skip: Exception) -> None:
+    """The line `ident` of `family`, skipped for `skip`'s reason."""
+    reason = str(skip)
+
+    def skipped():
+        raise Skip(reason)
+    ctx.attempt(family, ident, skipped)
 
 
 def _over(transform, images):
@@ -883,22 +914,15 @@ def _write_loader_files(q, root: str, files: dict) -> dict:
 
 
 def _loader_lines(ctx, q, root: str, files: dict) -> None:
-    from torch.utils.data import default_collate
-    from torchvision import transforms as T
-
+    """What a loader worker does per image, per CPU core: ours (the DINO device path's and
+    data.decode=gpu's), the reference's, and the eval transforms, timed in alternating repeats."""
     from resmlp.core.config import load_config
-    from resmlp.data import build_dataset, build_eval_transform
-    from resmlp.data.decode import SourceDecoder, source_side
-    from resmlp.data.imagefolder import serve_encoded
-    from resmlp.data.resumable import KeyedDataset
-    from resmlp.data.transforms import mean_std
-    from resmlp.data.crop_plan import build_views, crop_plan
+    from resmlp.data.crop_plan import crop_plan
     cfg = load_config("dino", "resmlp_s12", ["demo=false", "data=imagefolder", f"data.root={root}",
                                               f"data.img_size={int(q.img_size)}", f"data.local_size={int(q.local_size)}",
                                               f"dino.n_local_crops={int(q.n_local)}", "dino.local_crops=interpolate",
                                               f"model.patch_size={int(q.patch_size)}"])
     plan = crop_plan(cfg)
-    mean, std = mean_std(cfg.data)
     n, batch = int(q.n_images), int(q.batch_size)
     image = f"{q.width}x{q.height} q{q.quality}"
 
@@ -909,7 +933,33 @@ def _loader_lines(ctx, q, root: str, files: dict) -> None:
                 collate([dataset[k] for k in range(start, min(n, start + batch))])
         return run
 
-    lines = {}   # key -> (identity, callable over all n images, the key it is compared with)
+    # key -> (identity, callable over all n images, the key it is compared with)
+    lines = {**_train_loaders(ctx, cfg, plan, over, image), **_eval_loaders(cfg, over)}
+    lines = {key: ({**ident, "image": image}, run, versus) for key, (ident, run, versus) in lines.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    timed, failure = _interleaved_on_one_core({k: v[1] for k, v in lines.items()}, max(3, int(q.repeats)))
+    after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+    def fields(key, t):
+        out = {"images_per_s": n / t.seconds, "per_core": True, "spread": t.spread, "interleaved": True,
+               "mean_kb": files["kb"], "load_avg": [load, after]}
+        versus = lines[key][2]
+        if versus in timed:
+            out["vs_reference"] = timed[versus].seconds / t.seconds
+        return out
+    _attempt_each(ctx, "loader", lines, timed, failure, fields)
+
+
+def _train_loaders(ctx, cfg, plan, over, image: str) -> dict:
+    """The DINO training loaders: ours (device path, data.decode=gpu) and the reference's."""
+    from torch.utils.data import default_collate
+
+    from resmlp.data import build_dataset
+    from resmlp.data.crop_plan import build_views
+    from resmlp.data.decode import SourceDecoder, source_side
+    from resmlp.data.imagefolder import serve_encoded
+    from resmlp.data.resumable import KeyedDataset
+    lines = {}
     views = build_views(cfg, plan)
     ds = build_dataset(cfg.data, "train")
     serve_encoded(ds)  # as build_train_loader does for a transform that reads files
@@ -919,49 +969,31 @@ def _loader_lines(ctx, q, root: str, files: dict) -> None:
     lines["ours_gpu"] = ({"impl": f"ours, data.decode=gpu: {deferred!r} + collate (decoded on the GPU later)",
                           "crops": plan.label()}, over(KeyedDataset(ds, deferred), views.collate), "reference")
     try:
-        need_lightly()
-        from lightly.transforms import DINOTransform
-        dino = DINOTransform(global_crop_size=plan.global_size, global_crop_scale=plan.global_scale,
-                             local_crop_size=plan.local_size, local_crop_scale=plan.local_scale,
-                             n_local_views=plan.n_local, normalize={"mean": list(mean), "std": list(std)})
+        dino = _lightly_dino(plan, cfg.data)
         lines["reference"] = ({"impl": "reference: PIL decode + DataAugmentationDINO (lightly DINOTransform) "
                                        "+ collate", "crops": plan.label()},
                               over(build_dataset(cfg.data, "train", transform=dino), default_collate), None)
     except Skip as e:
-        reason = str(e)
+        _skipped(ctx, "loader", {"impl": "reference: lightly DINOTransform", "where": "cpu", "threads": 1,
+                                 "image": image}, e)
+    return lines
 
-        def skipped():
-            raise Skip(reason)
-        ctx.attempt("loader", {"impl": "reference: lightly DINOTransform", "where": "cpu", "threads": 1,
-                               "image": image}, skipped)
+
+def _eval_loaders(cfg, over) -> dict:
+    """The evaluation loaders: ours and DINO's eval transform."""
+    from torch.utils.data import default_collate
+    from torchvision import transforms as T
+
+    from resmlp.data import build_dataset, build_eval_transform
+    from resmlp.data.transforms import mean_std
+    mean, std = mean_std(cfg.data)
     size = int(cfg.data.img_size)
     resize = int(round(size / float(cfg.data.crop_ratio)))
     ref_eval = T.Compose([T.Resize(resize, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
                           T.ToTensor(), T.Normalize(mean, std)])
-    lines["eval"] = ({"impl": "ours, eval transform (fast decode, torchvision on uint8) + collate", "crops": "-"},
+    return {"eval": ({"impl": "ours, eval transform (fast decode, torchvision on uint8) + collate", "crops": "-"},
                      over(build_dataset(cfg.data, "train", transform=build_eval_transform(cfg.data)),
-                          default_collate), "eval_reference")
-    lines["eval_reference"] = ({"impl": "reference: PIL decode + DINO's eval transform (Resize, CenterCrop, "
+                          default_collate), "eval_reference"),
+            "eval_reference": ({"impl": "reference: PIL decode + DINO's eval transform (Resize, CenterCrop, "
                                         "ToTensor, Normalize) + collate", "crops": "-"},
-                               over(build_dataset(cfg.data, "train", transform=ref_eval), default_collate), None)
-    timed: dict = {}
-    failure: Exception | None = None
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    try:
-        with threads(1):
-            timed.update(measure_interleaved({k: v[1] for k, v in lines.items()}, torch.device("cpu"),
-                                             warmup=1, calls=1, repeats=max(3, int(q.repeats))))
-    except Exception as e:  # noqa: BLE001 - reported on every line below
-        failure = e
-    after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    for key, (ident, _, versus) in lines.items():
-        def fields(key=key, versus=versus):
-            if key not in timed:
-                raise failure
-            t = timed[key]
-            out = {"images_per_s": n / t.seconds, "per_core": True, "spread": t.spread, "interleaved": True,
-                   "mean_kb": files["kb"], "load_avg": [load, after]}
-            if versus in timed:
-                out["vs_reference"] = timed[versus].seconds / t.seconds
-            return out
-        ctx.attempt("loader", {**ident, "where": "cpu", "threads": 1, "image": image}, fields)
+                               over(build_dataset(cfg.data, "train", transform=ref_eval), default_collate), None)}

@@ -190,8 +190,6 @@ def check_writes(name: str, cmd: Command, cfg) -> None:
 
 def launch(cfg, argv: list[str]) -> int:
     """launcher=slurm: submit the command line as a job instead of running it here."""
-    if cfg.launcher != "slurm":
-        raise UserError(f"launcher={cfg.launcher!r} is not one of local, slurm")
     from resmlp.core.slurm import submit
     submit(cfg, argv, main)
     return 0

@@ -22,6 +22,7 @@ A method file's sections add to those of the method it extends and of defaults.y
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -114,50 +115,8 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     yaml files, so evaluators default to the model and data a checkpoint was trained
     with while the command line still wins.
     """
-    overrides = split_overrides(overrides)
-    data = None
-    rest = []
-    for o in overrides:
-        k, v = o.split("=", 1)
-        if k == "data":
-            data = v
-        elif k == "model":
-            model = v
-        else:
-            rest.append(o)
-    if base is not None:
-        model = model or OmegaConf.select(OmegaConf.create(base), "model.name")
-        data = data or OmegaConf.select(OmegaConf.create(base), "data.name")
-
-    # New keys may come from method files (their own sections); struct mode starts once
-    # every file is in.
-    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
-    limits, moved, paths = _take_rules(cfg, command)
-    data = data or cfg.data.name
-    data_file = CONFIG_DIR / "data" / f"{data}.yaml"
-    if not data_file.exists():
-        raise UserError(f"unknown dataset {data!r}; choose one of: {', '.join(available('data'))}")
-    for path in (data_file, CONFIG_DIR / "recipe" / f"{command}_{data}.yaml"):
-        if path.exists():
-            cfg = OmegaConf.merge(cfg, _load_yaml(path))
-    if base is not None:
-        saved = OmegaConf.create(base)
-        # Only what describes the network and its data carries over from a saved run; on
-        # another data set than the run's, only what the network was trained on (its image
-        # size and normalization), not where the run's files were or how they were read.
-        for section in ("model", "data"):
-            if section in saved:
-                part = saved[section]
-                if section == "data" and part.get("name") != data:
-                    part = OmegaConf.create({k: part[k] for k in TRAINED_ON if k in part})
-                OmegaConf.set_struct(cfg, True)
-                cfg[section] = OmegaConf.merge(cfg[section], _known(part, cfg[section]))
-                OmegaConf.set_struct(cfg, False)
-    cfg.command = command
-    if model:
-        cfg.model.name = model
-    cfg.data.name = data
-
+    model, data, rest = _names(split_overrides(overrides), model, base)
+    cfg, (limits, moved, paths) = _layers(command, model, data, base)
     OmegaConf.set_struct(cfg, True)
     cfg.demo = _demo_wanted(cfg, rest)
     # the data file's demo sizes only where the network starts here: a checkpoint's run keeps its own
@@ -190,6 +149,68 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
                     limits.get(key))
         origin[key] = f"the CPU demo's demo_overrides set {o}" if i < from_demo else \
             f"{o} came earlier on the command line"
+    _finish(cfg, limits, paths)
+    return cfg
+
+
+def _names(overrides: list[str], model: str | None, base: dict | None) -> tuple[str | None, str | None, list[str]]:
+    """(model, data, the other overrides): `model=` and `data=` pick files, so they are taken
+    out first; a saved run's names stand in for those the command line does not give."""
+    data = None
+    rest = []
+    for o in overrides:
+        k, v = o.split("=", 1)
+        if k == "data":
+            data = v
+        elif k == "model":
+            model = v
+        else:
+            rest.append(o)
+    if base is not None:
+        model = model or OmegaConf.select(OmegaConf.create(base), "model.name")
+        data = data or OmegaConf.select(OmegaConf.create(base), "data.name")
+    return model, data, rest
+
+
+def _layers(command: str, model: str | None, data: str | None, base: dict | None) -> tuple[DictConfig, tuple]:
+    """The YAML files merged in their order, then what a saved run carries over; with the
+    rules (`_take_rules`) taken out of them."""
+    # New keys may come from method files (their own sections); struct mode starts once
+    # every file is in.
+    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
+    rules = _take_rules(cfg, command)
+    data = data or cfg.data.name
+    data_file = CONFIG_DIR / "data" / f"{data}.yaml"
+    if not data_file.exists():
+        raise UserError(f"unknown dataset {data!r}; choose one of: {', '.join(available('data'))}")
+    for path in (data_file, CONFIG_DIR / "recipe" / f"{command}_{data}.yaml"):
+        if path.exists():
+            cfg = OmegaConf.merge(cfg, _load_yaml(path))
+    if base is not None:
+        _carry_over(cfg, OmegaConf.create(base), data)
+    cfg.command = command
+    if model:
+        cfg.model.name = model
+    cfg.data.name = data
+    return cfg, rules
+
+
+def _carry_over(cfg: DictConfig, saved: DictConfig, data: str) -> None:
+    """Only what describes the network and its data carries over from a saved run; on
+    another data set than the run's, only what the network was trained on (its image
+    size and normalization), not where the run's files were or how they were read."""
+    for section in ("model", "data"):
+        if section in saved:
+            part = saved[section]
+            if section == "data" and part.get("name") != data:
+                part = OmegaConf.create({k: part[k] for k in TRAINED_ON if k in part})
+            OmegaConf.set_struct(cfg, True)
+            cfg[section] = OmegaConf.merge(cfg[section], _known(part, cfg[section]))
+            OmegaConf.set_struct(cfg, False)
+
+
+def _finish(cfg: DictConfig, limits: dict, paths: list) -> None:
+    """Interpolations resolved, nothing missing, every value within its limits, paths absolute."""
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -197,7 +218,6 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     _check_missing(cfg)
     check_values(cfg, limits)
     _absolute_paths(cfg, paths)
-    return cfg
 
 
 def _absolute_paths(cfg: DictConfig, paths: Iterable[str]) -> None:
@@ -332,11 +352,46 @@ def check_values(cfg: DictConfig, limits: dict) -> None:
         value = OmegaConf.select(cfg, key, default="<missing>")
         if isinstance(value, str) and value == "<missing>":
             continue
-        many = isinstance(value, (list, ListConfig))
-        for v in (list(value) if many else [value]):
-            if not limit.allows(v):
-                raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
-                                f"{limit.describe(v)}")
+        _check_value(key, value, limit)
+
+
+def _check_value(key: str, value, limit: "Limit | Choice") -> None:
+    many = isinstance(value, (list, ListConfig))
+    for v in (list(value) if many else [value]):
+        if not limit.allows(v):
+            raise UserError(f"{key}={_show(value)} is not allowed: {'each of ' if many else ''}{key} must be "
+                            f"{limit.describe(v)}")
+
+
+@functools.lru_cache(maxsize=None)
+def all_choices() -> dict:
+    """{key: the words it may hold} for every key whose `limits:` entry (defaults.yaml or a
+    method file) is a list of words. Those entries are the one place the words are written:
+    code that checks, shows or walks a key's words reads them here."""
+    found: dict = {}
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: ten times the pure-Python one's speed
+    for path in [CONFIG_DIR / "defaults.yaml", *sorted((CONFIG_DIR / "method").glob("*.yaml"))]:
+        with open(path) as f:
+            limits = (yaml.load(f, Loader=loader) or {}).get("limits") or {}
+        for key, spec in limits.items():
+            if not isinstance(spec, list):
+                continue
+            words = Limit.from_spec(spec, f"{path}, limits.{key}").words
+            # a key two method files share (knn.* in dino.yaml and knn.yaml) must say the same there
+            if found.setdefault(key, words) != words:
+                raise ValueError(f"limits.{key} lists other words in {path.name} than elsewhere in configs/")
+    return found
+
+
+def choices(key: str) -> tuple:
+    """The words `key` may hold (its `limits:` list), e.g. choices("device")."""
+    return all_choices()[key]
+
+
+def check_choice(key: str, value) -> None:
+    """UserError unless `value` is one of `key`'s words: for code handed a value directly
+    (a library call) rather than through a config load_config checked."""
+    _check_value(key, value, Choice(choices(key)))
 
 
 def _show(value) -> str:

@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from resmlp.core.config import check_choice
 from resmlp.core.errors import Preempted, UserError
 
 _host_group = None  # a gloo group beside NCCL's, for host-side flags (any_rank)
@@ -44,10 +45,21 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+# The autocast dtype each `precision` but auto names (fp32: none, the float32 weights' own).
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def amp_dtype(precision: str, device) -> torch.dtype:
+    """`precision` -> its autocast dtype; auto: bf16 on a GPU, float32 on the CPU."""
+    check_choice("precision", precision)
+    if precision == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return AMP_DTYPES[precision]
+
+
 def pick_device(requested: str = "auto") -> torch.device:
     """`auto` takes this process's GPU when there is one, else the CPU."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise UserError(f"device={requested!r} is not one of auto, cpu, cuda")
+    check_choice("device", requested)
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
     if requested == "cpu" or not torch.cuda.is_available():

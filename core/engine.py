@@ -250,15 +250,11 @@ class Run:
 
     # ---- setup -------------------------------------------------------------------------
     def _precision(self, precision: str):
-        if precision == "auto":
-            precision = "bf16" if self.device.type == "cuda" else "fp32"
-        table = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, True), "fp32": (None, False)}
-        if precision not in table:
-            raise UserError(f"precision={precision!r} is not one of auto, bf16, fp16, fp32")
-        dtype, scaler = table[precision]
+        dtype = dist.amp_dtype(precision, self.device)
         if dtype == torch.float16 and self.device.type != "cuda":
             raise UserError("precision=fp16 needs a GPU; use precision=fp32 or bf16 on the CPU")
-        return dtype, scaler
+        # fp32 runs without autocast; fp16 needs the GradScaler (its gradients underflow)
+        return (None if dtype == torch.float32 else dtype), dtype == torch.float16
 
     def _agree(self, check) -> None:
         """Rank 0 runs `check` (None, or what is wrong); every rank raises its UserError."""

@@ -81,8 +81,6 @@ def submit(cfg, argv: list[str], main):
         import submitit
     except ImportError:
         raise UserError("launcher=slurm needs submitit: pip install submitit (it is in requirements.txt)") from None
-    if cfg.slurm.cluster not in ("slurm", "local"):
-        raise UserError(f"slurm.cluster={cfg.slurm.cluster!r} is not one of slurm, local")
     directory = run_dir(cfg).resolve()  # the job may start in another working directory
     problem = RunLock(directory).problem()
     if problem:

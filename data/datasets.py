@@ -30,6 +30,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
+from resmlp.core.config import choices
 from resmlp.core.errors import UserError
 from resmlp.data import fashion_mnist, folder, imagefolder, torchvision_sets
 from resmlp.data.decode import reads_files
@@ -60,7 +61,7 @@ DATASETS: dict[str, DatasetInfo] = {
     "stl10": DatasetInfo(torchvision_sets.build, ("train", "test", "unlabeled"), 10, STL10_CLASSES),
     "folder": DatasetInfo(folder.build, ("train",), 0, (), labeled=False, files=True),
 }
-LABELED = tuple(name for name, info in DATASETS.items() if info.labeled)
+LABELED = tuple(name for name in choices("eval.data") if name is not None)  # the sets with labels (each `labeled`)
 
 SUBSET_SPLITS = ("train", "unlabeled")
 

@@ -28,7 +28,7 @@ from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
 from resmlp.core.report import append_json_line, write_json
 from resmlp.core.weights import ANY, WeightsSpec
-from resmlp.eval.features import amp_dtype_from_precision, default_cache_dir, features_for
+from resmlp.eval.features import default_cache_dir, features_for
 from resmlp.models.load import describe, load_backbone
 
 
@@ -110,7 +110,7 @@ def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) ->
     dev = dist.setup(cfg.device) if device is None else torch.device(device)
     model, info = load_backbone(spec, key=cfg.features.key, device=dev,
                                 pretrained=bool(cfg.features.pretrained), img_size=cfg.data.img_size)
-    amp = amp_dtype_from_precision(cfg.precision, dev)
+    amp = dist.amp_dtype(cfg.precision, dev)
     out_dir = output_dir(cfg, info, sub_dir)
     epoch = unfinished_epoch(info)
     if epoch is not None:

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from resmlp.core.checkpoint import atomic_write
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.core.report import write_json
 from resmlp.core.weights import WeightsSpec
 from resmlp.models import export_state_dict
 from resmlp.models.load import load_backbone
 
-FORMATS = ("timm", "official", "safetensors")
 # timm's ResMLP entry points, by (dim, depth, patch size) at 224 px
 TIMM_NAMES = {(384, 12, 16): "resmlp_12_224", (384, 24, 16): "resmlp_24_224", (384, 36, 16): "resmlp_36_224",
               (768, 24, 8): "resmlp_big_24_224"}
@@ -41,8 +41,7 @@ def export(spec: WeightsSpec | str | os.PathLike, fmt: str = "timm", key: str = 
     safetensors  this project's keys in a .safetensors file:
                  resmlp.models.load_pretrained(create_model(...), safetensors.torch.load_file(...))
     """
-    if fmt not in FORMATS:
-        raise UserError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    check_choice("export.format", fmt)
     spec = WeightsSpec.parse(spec)
     model, info = load_backbone(spec, key=key, pretrained=False)
     if not info["is_resmlp"]:
@@ -95,7 +94,7 @@ def export_card(info: Mapping, fmt: str, weights: Path) -> dict:
             "data": {"name": data.get("name"), "img_size": img, "patch_size": arch.get("patch_size"),
                      "mean": data.get("mean", [0.485, 0.456, 0.406]), "std": data.get("std", [0.229, 0.224, 0.225]),
                      "crop_ratio": data.get("crop_ratio")}}
-    if fmt in ("timm", "official"):
+    if fmt != "safetensors":
         card["timm"] = timm_entry(arch, img, fmt, weights.name)
     else:
         card["load"] = (f"resmlp.models.load_pretrained(resmlp.models.create_model({info['model']!r}, num_classes=0, "

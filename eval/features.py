@@ -49,17 +49,7 @@ CACHE_VERSION = 1
 
 def default_amp_dtype(device) -> torch.dtype:
     """bf16 on a GPU (features are stored in float32 anyway), float32 on the CPU."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def amp_dtype_from_precision(precision: str, device) -> torch.dtype:
-    """cfg.precision (auto | bf16 | fp16 | fp32) -> the autocast dtype for extraction."""
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if precision == "auto":
-        return default_amp_dtype(device)
-    if precision not in table:
-        raise UserError(f"precision={precision!r} is not one of auto, bf16, fp16, fp32")
-    return table[precision]
+    return dist.amp_dtype("auto", device)
 
 
 def forward_features(model: nn.Module, x: torch.Tensor, n_last_blocks: int = 1) -> torch.Tensor:

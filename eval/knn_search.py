@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from resmlp.core import preempt
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 
-BACKENDS = ("auto", "faiss", "torch")
 BUDGET = 512 * 2**20   # bytes one block of the search may hold (similarities, candidates, a re-rank tile)
 _MAX_CHUNK = 4096      # queries per chunk, whatever the budget allows
 _CAND_BYTES = 24       # per (query, candidate) of a pass: its search similarity and index, twice while joined
@@ -177,8 +177,7 @@ def resolve_backend(backend: str = "auto", device=None) -> tuple[str, torch.devi
     without one, FAISS on the CPU if installed, else torch on the CPU.
     faiss: FAISS on the GPU when it works there, else on the CPU.
     """
-    if backend not in BACKENDS:
-        raise UserError(f"knn.backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    check_choice("knn.backend", backend)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

@@ -35,7 +35,6 @@ from resmlp.eval.knn import topk_correct
 
 CACHED_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # base lrs (batch 256)
 DINO_LR = 1e-3                                                    # eval_linear.py default
-MODES = ("cached", "augmented")
 
 
 class LinearHeads:
@@ -290,8 +289,6 @@ def check_linear_config(cfg) -> tuple[str, int, int, list, int]:
     from resmlp.data.datasets import check_split_classes
     lc = cfg.linear
     mode = str(lc.mode)
-    if mode not in MODES:
-        raise UserError(f"linear.mode={mode!r} is not one of {', '.join(MODES)}")
     if few_labels.sizes(lc.few_labels) and mode != "cached":
         raise UserError(f"linear.few_labels trains on cached features: use linear.mode=cached, "
                         f"or drop linear.few_labels for linear.mode={mode}")

@@ -397,67 +397,100 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
                     dpi: int, files: list) -> dict:
     """neighbours.png, patch_pca.png and embedding.png (those of them in `figures`);
     viz.json's entries."""
+    import resmlp.data as rdata
+
+    data_cfg = inputs.data_cfg
+    split = query_split(data_cfg)
+    same_set = split == "train"     # no labels: the queries are images of the bank itself
+    q = _Queries(rdata.build_dataset(data_cfg, split, transform=rdata.build_eval_transform(data_cfg)), split,
+                 f"{data_cfg.name} test queries" if not same_set else f"{data_cfg.name} images (no labels)")
+
+    def save(fig, name: str) -> None:
+        fig.savefig(out_dir / name, dpi=dpi)
+        files.append(name)
+    out = {}
+    if "neighbours" in figures:
+        out["neighbours"] = _neighbours(inputs, q, label, dpi, save)
+    if "patch_pca" in figures:
+        out["patch_pca"] = _patch_pca(backbone, inputs, q, label, dpi, save)
+    if "embedding" in figures:
+        out["embedding"] = _embedding(inputs, q, label, dpi, save)
+    return out
+
+
+@dataclass
+class _Queries:
+    """The images the figures show: `split` of the data set, titled `what`."""
+    dataset: object
+    split: str
+    what: str
+
+    @property
+    def names(self) -> list:
+        return list(getattr(self.dataset, "classes", None) or [])
+
+
+def _neighbours(inputs: FeatureInputs, q: _Queries, label: str, dpi: int, save) -> dict:
+    """neighbours.png: each query's nearest training images; its viz.json entry."""
+    import resmlp.data as rdata
+    from resmlp.eval.knn_search import backend_name
+    from resmlp.eval.neighbours import neighbours_figure, pick_queries
+    data_cfg, same_set = inputs.data_cfg, q.split == "train"
+    tr, te = inputs.features["train"], inputs.features[q.split]
+    train_set = q.dataset if same_set else rdata.build_dataset(data_cfg, "train",
+                                                               transform=rdata.build_eval_transform(data_cfg))
+    queries = pick_queries(te["labels"], inputs.queries, inputs.seed)
+    fig, nb = neighbours_figure(tr["features"], tr["labels"], train_set, te["features"], te["labels"],
+                                q.dataset, queries, data_cfg, q.names, f"{label}: {q.what}",
+                                inputs.k, inputs.backend, inputs.device, dpi, same_set=same_set)
+    save(fig, "neighbours.png")
+    backend = backend_name(inputs.backend, inputs.device)
+    return {"split": "train -> train, the query left out" if same_set else "test -> train",
+            "seed": inputs.seed,
+            "search": f"eval.knn_search.query_neighbours, backend {backend}",
+            "train_cache": tr.get("cache"), "test_cache": te.get("cache"), **nb}
+
+
+def _patch_pca(backbone: nn.Module, inputs: FeatureInputs, q: _Queries, label: str, dpi: int, save) -> dict:
+    """patch_pca.png: the first principal components of a few images' patch tokens; its entry."""
     from omegaconf import OmegaConf
 
     import resmlp.data as rdata
-    from resmlp.eval.knn_search import backend_name
-    from resmlp.eval.neighbours import neighbours_figure, pick_queries, shown_images
+    from resmlp.eval.neighbours import pick_queries, shown_images
     from resmlp.eval.patch_pca import draw_patch_pca, patch_pca
+    data_cfg, test_set, names = inputs.data_cfg, q.dataset, q.names
+    size = int(inputs.pca_size or data_cfg.img_size)
+    pca_cfg = OmegaConf.merge(data_cfg, {"img_size": size}) if size != data_cfg.img_size else data_cfg
+    pca_set = test_set if pca_cfg is data_cfg else rdata.build_dataset(
+        pca_cfg, q.split, transform=rdata.build_eval_transform(pca_cfg))
+    idx = pick_queries(test_set.targets, inputs.pca_images, inputs.seed)
+    res = patch_pca(backbone, torch.stack([torch.as_tensor(pca_set[i][0]) for i in idx]), inputs.pca_threshold)
+    shown = shown_images(pca_set, idx, *rdata.mean_std(pca_cfg))
+    ys = [int(test_set.targets[i]) for i in idx]
+    titles = [f"#{i}" + ("" if y < 0 else f" {names[y] if y < len(names) else y}") for i, y in zip(idx, ys)]
+    h, w = res["grid"]
+    adapt = f", grid_adapt={res['grid_adapt']}" if res["grid_adapt"] not in (None, "none") else ""
+    save(draw_patch_pca(res, shown, titles, f"{label}: patch tokens before pooling at {size} px "
+                        f"({h}x{w} patches{adapt}); PCA fitted over the {len(idx)} images' patches", dpi),
+         "patch_pca.png")
+    return {"images": idx, "labels": ys, "img_size": size, "grid": [h, w],
+            "grid_adapt": res["grid_adapt"], "threshold": res["threshold"],
+            "explained_variance_ratio": [float(r) for r in res["explained_variance_ratio"]],
+            "foreground_fraction": [float(m.mean()) for m in res["mask"]],
+            "orientation": "PC1: border patches score lower on average; PC2, PC3: "
+                           "largest loading positive"}
 
-    data_cfg, out = inputs.data_cfg, {}
-    split = query_split(data_cfg)
-    same_set = split == "train"     # no labels: the queries are images of the bank itself
-    test_set = rdata.build_dataset(data_cfg, split, transform=rdata.build_eval_transform(data_cfg))
-    names = list(getattr(test_set, "classes", None) or [])
-    what = f"{data_cfg.name} test queries" if not same_set else f"{data_cfg.name} images (no labels)"
-    if "neighbours" in figures:
-        tr, te = inputs.features["train"], inputs.features[split]
-        train_set = test_set if same_set else rdata.build_dataset(data_cfg, "train",
-                                                                  transform=rdata.build_eval_transform(data_cfg))
-        queries = pick_queries(te["labels"], inputs.queries, inputs.seed)
-        fig, nb = neighbours_figure(tr["features"], tr["labels"], train_set, te["features"], te["labels"],
-                                    test_set, queries, data_cfg, names, f"{label}: {what}",
-                                    inputs.k, inputs.backend, inputs.device, dpi, same_set=same_set)
-        fig.savefig(out_dir / "neighbours.png", dpi=dpi)
-        files.append("neighbours.png")
-        backend = backend_name(inputs.backend, inputs.device)
-        out["neighbours"] = {"split": "train -> train, the query left out" if same_set else "test -> train",
-                             "seed": inputs.seed,
-                             "search": f"eval.knn_search.query_neighbours, backend {backend}",
-                             "train_cache": tr.get("cache"), "test_cache": te.get("cache"), **nb}
-    if "patch_pca" in figures:
-        size = int(inputs.pca_size or data_cfg.img_size)
-        pca_cfg = OmegaConf.merge(data_cfg, {"img_size": size}) if size != data_cfg.img_size else data_cfg
-        pca_set = test_set if pca_cfg is data_cfg else rdata.build_dataset(
-            pca_cfg, split, transform=rdata.build_eval_transform(pca_cfg))
-        idx = pick_queries(test_set.targets, inputs.pca_images, inputs.seed)
-        res = patch_pca(backbone, torch.stack([torch.as_tensor(pca_set[i][0]) for i in idx]), inputs.pca_threshold)
-        shown = shown_images(pca_set, idx, *rdata.mean_std(pca_cfg))
-        ys = [int(test_set.targets[i]) for i in idx]
-        titles = [f"#{i}" + ("" if y < 0 else f" {names[y] if y < len(names) else y}") for i, y in zip(idx, ys)]
-        h, w = res["grid"]
-        adapt = f", grid_adapt={res['grid_adapt']}" if res["grid_adapt"] not in (None, "none") else ""
-        fig = draw_patch_pca(res, shown, titles, f"{label}: patch tokens before pooling at {size} px "
-                             f"({h}x{w} patches{adapt}); PCA fitted over the {len(idx)} images' patches", dpi)
-        fig.savefig(out_dir / "patch_pca.png", dpi=dpi)
-        files.append("patch_pca.png")
-        out["patch_pca"] = {"images": idx, "labels": ys, "img_size": size, "grid": [h, w],
-                            "grid_adapt": res["grid_adapt"], "threshold": res["threshold"],
-                            "explained_variance_ratio": [float(r) for r in res["explained_variance_ratio"]],
-                            "foreground_fraction": [float(m.mean()) for m in res["mask"]],
-                            "orientation": "PC1: border patches score lower on average; PC2, PC3: "
-                                           "largest loading positive"}
-    if "embedding" in figures:
-        from resmlp.eval.embedding import embedding_figure
-        te = inputs.features[split]
-        fig, entry = embedding_figure(te["features"], te["labels"], test_set, data_cfg, names,
-                                      inputs.embedding_images, inputs.seed, inputs.embedding_grid,
-                                      f"{label}: {what}", dpi)
-        if fig is not None:
-            fig.savefig(out_dir / "embedding.png", dpi=dpi)
-            files.append("embedding.png")
-        out["embedding"] = {"split": split, "data": data_cfg.name, "cache": te.get("cache"), **entry}
-    return out
+
+def _embedding(inputs: FeatureInputs, q: _Queries, label: str, dpi: int, save) -> dict:
+    """embedding.png: the queries' features laid out in 2-D (none when too few); its entry."""
+    from resmlp.eval.embedding import embedding_figure
+    te = inputs.features[q.split]
+    fig, entry = embedding_figure(te["features"], te["labels"], q.dataset, inputs.data_cfg, q.names,
+                                  inputs.embedding_images, inputs.seed, inputs.embedding_grid,
+                                  f"{label}: {q.what}", dpi)
+    if fig is not None:
+        save(fig, "embedding.png")
+    return {"split": q.split, "data": inputs.data_cfg.name, "cache": te.get("cache"), **entry}
 
 
 def check_viz_config(v) -> None:

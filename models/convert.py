@@ -45,7 +45,7 @@ def _rename(key: str, rules) -> str:
 
 def detect_format(sd: Mapping) -> str:
     """'timm', 'official' or 'resmlp' (ours) for a plain state_dict."""
-    for fmt in ('timm', 'official'):
+    for fmt in KEY_NAMES:
         if any(pattern.match(k) for pattern, _ in _rules(fmt, to_ours=True) for k in sd):
             return fmt
     return 'resmlp'
@@ -71,15 +71,14 @@ def convert_state_dict(sd: Mapping) -> dict:
 _PAPER_KEY = re.compile(r'^(patch_embed\.proj\.(weight|bias)|norm\.(alpha|beta)|head\.(weight|bias)|'
                         r'blocks\.\d+\.(norm[12]\.(alpha|beta)|cross_patch\.(weight|bias)|ls[12]|'
                         r'mlp\.fc[12]\.(weight|bias)))$')
-EXPORT_FORMATS = ('timm', 'official')
 
 
 def export_state_dict(sd: Mapping, fmt: str) -> dict:
     """Our state_dict -> timm's keys ('timm': timm's resmlp_*_224, Affine as [1, 1, D]) or
     the official facebookresearch/deit ones ('official'): convert_state_dict undone.
     Only the paper's architecture has a counterpart there."""
-    if fmt not in EXPORT_FORMATS:
-        raise UserError(f"format={fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    if fmt not in KEY_NAMES:
+        raise UserError(f"format={fmt!r} is not one of {', '.join(KEY_NAMES)}")
     other = [k for k in sd if not _PAPER_KEY.match(k)]
     if other:
         raise UserError(f"format={fmt} needs the paper's ResMLP (linear cross-patch, Affine, average pooling); "

@@ -49,11 +49,12 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.checkpoint import FORMAT, load_checkpoint
+from resmlp.core.config import check_choice, choices
 from resmlp.core.errors import UserError
 from resmlp.core.weights import WeightsSpec, timm_spec
 from resmlp.models.from_config import build_model, create_timm
 
-DINO_KEYS = ("teacher", "student")
+DINO_KEYS = choices("features.key")  # the networks a DINO checkpoint holds, which features.key picks
 _WRAPPERS = ("model", "state_dict", "model_ema", "state_dict_ema")
 
 
@@ -95,8 +96,7 @@ def _preview(keys, n: int = 5) -> str:
 
 def unwrap(obj: dict, key: str = "teacher", path: str = "") -> tuple[dict, dict]:
     """(plain state_dict of the network to evaluate, info about where it came from)."""
-    if key not in DINO_KEYS:
-        raise UserError(f"features.key={key!r} must be teacher or student")
+    check_choice("features.key", key)
     ours = obj.get("format") == FORMAT
     info: dict = {"config": obj.get("config") if ours and isinstance(obj.get("config"), Mapping) else None,
                   "command": obj.get("command") if ours else None,

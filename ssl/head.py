@@ -19,10 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from resmlp.core import dist
-from resmlp.core.errors import UserError
 
 
-BOTTLENECK_NORMS = ("batchnorm", "none")
 
 
 class BatchStandardize(nn.Module):
@@ -60,8 +58,6 @@ def build_head(in_dim: int, dino_cfg) -> nn.Module:
     with `BatchStandardize` after the bottleneck when dino.bottleneck_norm=batchnorm."""
     from lightly.models.modules import DINOProjectionHead
     norm = dino_cfg.get("bottleneck_norm", "none")
-    if norm not in BOTTLENECK_NORMS:
-        raise UserError(f"dino.bottleneck_norm={norm!r} is not one of {', '.join(BOTTLENECK_NORMS)}")
     with warnings.catch_warnings():  # lightly still uses torch's old weight_norm
         warnings.simplefilter("ignore", FutureWarning)
         head = DINOProjectionHead(in_dim, dino_cfg.hidden_dim, dino_cfg.bottleneck_dim, dino_cfg.out_dim,

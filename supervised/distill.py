@@ -21,11 +21,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.core.weights import WeightsSpec, timm_spec
 from resmlp.models.load import load_classifier, timm_weights
 
-KINDS = ("hard", "soft")
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
@@ -37,8 +37,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     base_criterion: the label loss (the trainer passes its SoftTargetCrossEntropy /
       LabelSmoothingCrossEntropy); None: cross-entropy with hard or soft targets.
     """
-    if kind not in KINDS:
-        raise UserError(f"distill.type={kind!r} is not one of {', '.join(KINDS)}")
+    check_choice("distill.type", kind)
     if base_criterion is not None:
         base = base_criterion(student_logits, targets)
     elif targets.dim() == 2:
