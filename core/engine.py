@@ -603,7 +603,8 @@ class Cadence:
         checkpoint of the iterations trained since the last one."""
         t0 = time.time()
         try:
-            yield
+            with preempt.evaluation():
+                yield
         except preempt.StopInEvaluation as e:
             it = self.last_read
             if it != self.saved_at:

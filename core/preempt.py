@@ -116,13 +116,31 @@ class StopInEvaluation(Exception):
     stop_between_batches); the trainer's Cadence.evaluating saves what training there is."""
 
 
+# How many of the signals received came before the trainer's evaluation now running began.
+_evaluation_from = [0]
+
+
+@contextlib.contextmanager
+def evaluation():
+    """A trainer's evaluation: a stop signal received before it began lets it finish (at an
+    epoch's last iteration the trainer evaluates that epoch, then stops at its checkpoint);
+    one received during it ends it between two batches (stop_between_batches)."""
+    before = _evaluation_from[0]
+    _evaluation_from[0] = len(_received)
+    try:
+        yield
+    finally:
+        _evaluation_from[0] = before
+
+
 def stop_between_batches() -> None:
     """Between the batches of an evaluation (a feature extraction): raise StopInEvaluation
-    when this process received a stop signal, so that a long k-NN does not hold the stop
-    back for minutes. One process only: several must agree where they stop, which they do
-    at the trainer's iteration boundaries (agreed())."""
+    when this process received a stop signal (within a trainer's evaluation: since it
+    began), so that a long k-NN does not hold the stop back for minutes. One process only:
+    several must agree where they stop, which they do at the trainer's iteration boundaries
+    (agreed())."""
     from resmlp.core import dist
-    if requested() and dist.world_size() == 1:
+    if requested() and len(_received) > _evaluation_from[0] and dist.world_size() == 1:
         raise StopInEvaluation(received())
 
 

@@ -561,7 +561,7 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
     from resmlp.ssl.train import train
     make_jpeg_folder(str(tmp_path / "images"), 32, 36, 48)
     offset = [0.0]
-    monkeypatch.setattr(engine, "time", types.SimpleNamespace(time=lambda: time.time() + offset[0]))
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(time=lambda: time.time() + offset[0], monotonic=time.monotonic))
     real = engine.save_checkpoint
 
     def slow_save(*args, **kwargs):

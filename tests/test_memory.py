@@ -139,9 +139,12 @@ def test_a_stop_signal_ends_an_extraction_at_the_next_batch_and_the_run_keeps_it
                 extract_features(Counting(), loader, "cpu")
         assert seen == [4, 4] and saved == []          # not one batch more; nothing trained, nothing saved
         cadence.last_read = 7                          # 7 iterations trained since the last checkpoint (none)
+        with cadence.evaluating():                     # a signal from before an evaluation lets it finish
+            assert extract_features(Counting(), loader, "cpu")[0].shape == (20, 3)
+        seen.clear()                                   # a new signal, during the next one, ends it
         with pytest.raises(Preempted, match="after iteration 7 of 10, with a checkpoint of it"):
             with cadence.evaluating():
                 extract_features(Counting(), loader, "cpu")
-        assert saved == [7]
+        assert seen == [4, 4] and saved == [7]
     # outside a trainer's watch (the knn command) a signal noted earlier stops nothing
     assert extract_features(Counting(), loader, "cpu")[0].shape == (20, 3)
