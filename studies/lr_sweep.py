@@ -44,7 +44,6 @@ rate per 256 images (and at the square-root rule's) for the scaling check.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from resmlp.core.checkpoint import load_checkpoint, save_checkpoint
-from resmlp.core.config import CONFIG_DIR, load_config, save_config, to_dict
+from resmlp.core.config import load_config, save_config, to_dict
 from resmlp.core.errors import UserError
 
 
