@@ -83,6 +83,23 @@ def _sampler_indices(loader) -> torch.Tensor | None:
 
 
 @torch.no_grad()
+def feature_width(model: nn.Module, image: torch.Tensor, device, n_last_blocks: int = 1) -> int:
+    """The width of `model`'s features on images such as `image` (C, H, W, eval-transformed):
+    its num_features (a backbone's, timm's convention) times n_last_blocks, else the forward
+    of that image (the raw pixels)."""
+    width = getattr(model, "num_features", None)
+    if isinstance(width, int) and width > 0:
+        return width * n_last_blocks
+    was_training = model.training
+    model.eval()
+    try:
+        x = image.unsqueeze(0).to(device)
+        with uncompiled():  # one image would cost a compiled model a compilation of its own
+            return int(forward_features(model, x, n_last_blocks).shape[1])
+    finally:
+        model.train(was_training)
+
+
 def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | None = None,
                      n_last_blocks: int = 1, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
     """(features float32 (N, D) CPU, labels int64 (N,) CPU) of the whole dataset.
@@ -310,7 +327,7 @@ def features_for(model: nn.Module, info: Mapping, data_cfg, split: str, *, devic
         raise UserError(f"the {split} split of {key['data']} is empty; check data.root / data.subset")
     budget = memory.budget_bytes(memory_gb, device)
     if budget is not None:
-        memory.check_features(len(dataset), memory.feature_width(model, dataset[0][0], device, n_last_blocks), budget,
+        memory.check_features(len(dataset), feature_width(model, dataset[0][0], device, n_last_blocks), budget,
                               memory_gb, split)
     loader = rdata.build_loader(dataset, dist.share(batch_size), train=False, num_workers=num_workers, seed=0)
     feats, labels = extract_features(model, loader, device, amp_dtype, n_last_blocks, desc=f"{split} features")

@@ -286,7 +286,8 @@ def _plan_bank(model, device, splits, ks, budget, memory_gb, cache: dict | None,
     if budget is None:
         return n_train, n_train
     image = built["test"][0][0] if "test" in built else cached["test"][0][0][0]
-    width = memory.feature_width(model, image, device)
+    from resmlp.eval import features
+    width = features.feature_width(model, image, device)
     n_bank, line = memory.plan_bank(n_train, n_test, width, budget, memory_gb, least=max(check_ks(ks, 2**62)))
     said = cache.setdefault("said", set()) if cache is not None else set()
     if line and line not in said and dist.is_main():

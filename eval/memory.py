@@ -82,25 +82,6 @@ def where_budget(budget: int, memory_gb) -> str:
 
 
 @torch.no_grad()
-def feature_width(model: nn.Module, image: torch.Tensor, device, n_last_blocks: int = 1) -> int:
-    """The width of `model`'s features on images such as `image` (C, H, W, eval-transformed):
-    its num_features (a backbone's, timm's convention) times n_last_blocks, else the forward
-    of that image (the raw pixels)."""
-    width = getattr(model, "num_features", None)
-    if isinstance(width, int) and width > 0:
-        return width * n_last_blocks
-    from resmlp.core.compiling import uncompiled
-    from resmlp.eval.features import forward_features
-    was_training = model.training
-    model.eval()
-    try:
-        x = image.unsqueeze(0).to(device)
-        with uncompiled():  # one image would cost a compiled model a compilation of its own
-            return int(forward_features(model, x, n_last_blocks).shape[1])
-    finally:
-        model.train(was_training)
-
-
 # --------------------------------------------------------------------------- the plans
 
 @dataclass(frozen=True)

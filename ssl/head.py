@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from resmlp.core import dist
+from resmlp.core.config import check_choice
 
 
 
@@ -58,6 +59,7 @@ def build_head(in_dim: int, dino_cfg) -> nn.Module:
     with `BatchStandardize` after the bottleneck when dino.bottleneck_norm=batchnorm."""
     from lightly.models.modules import DINOProjectionHead
     norm = dino_cfg.get("bottleneck_norm", "none")
+    check_choice("dino.bottleneck_norm", norm)  # a config built in code, not by load_config
     with warnings.catch_warnings():  # lightly still uses torch's old weight_norm
         warnings.simplefilter("ignore", FutureWarning)
         head = DINOProjectionHead(in_dim, dino_cfg.hidden_dim, dino_cfg.bottleneck_dim, dino_cfg.out_dim,

@@ -31,11 +31,11 @@ def fake_forward(monkeypatch):
     extract_features): each image of the loader's dataset gets seeded features near a point of
     its class, and its own label. The k-NN code above it (online_knn, the trainer's
     knn_report) composes its results as it does in training."""
-    from resmlp.eval import features, memory
+    from resmlp.eval import features
     g = torch.Generator().manual_seed(0)
 
     def extract_features(model, loader, device, amp_dtype=None, n_last_blocks=1, desc="features"):
         labels = torch.as_tensor(np.asarray(loader.dataset.targets), dtype=torch.long)
         return torch.randn(len(labels), 5, generator=g) + 2 * labels[:, None].float(), labels
     monkeypatch.setattr(features, "extract_features", extract_features)
-    monkeypatch.setattr(memory, "feature_width", lambda *args, **kwargs: 5)   # the bank's plan: no forward either
+    monkeypatch.setattr(features, "feature_width", lambda *args, **kwargs: 5)   # the bank's plan: no forward either

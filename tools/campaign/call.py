@@ -448,5 +448,8 @@ COMMAND = cli.Command("campaign.call:run", "the whole GPU measurement, one resum
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m campaign [key=value ...]` (run.sh's `campaign`)."""
-    cli.COMMANDS["campaign"] = COMMAND
-    return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)])
+    cli.COMMANDS["campaign"] = COMMAND  # for this call only: the package's table stays the package's
+    try:
+        return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)])
+    finally:
+        cli.COMMANDS.pop("campaign", None)
