@@ -100,6 +100,7 @@ def feature_width(model: nn.Module, image: torch.Tensor, device, n_last_blocks: 
         model.train(was_training)
 
 
+@torch.no_grad()
 def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | None = None,
                      n_last_blocks: int = 1, desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
     """(features float32 (N, D) CPU, labels int64 (N,) CPU) of the whole dataset.

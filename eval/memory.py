@@ -81,7 +81,6 @@ def where_budget(budget: int, memory_gb) -> str:
             f"{BUDGET_FRACTION:g} of the memory available now; features.memory_gb sets it")
 
 
-@torch.no_grad()
 # --------------------------------------------------------------------------- the plans
 
 @dataclass(frozen=True)
