@@ -154,12 +154,16 @@ class GraphedStep:
         """DinoStep.__call__'s arithmetic with every per-iteration value read from the
         schedule's tensors: what the graph holds."""
         step, sched = self.step, self.sched
-        with warnings.catch_warnings():  # lightly copies the temperature with torch.tensor()
-            warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # lightly's temperature
+            # The warm-up runs on a side stream and the capture on the graph's own, as capture
+            # requires, so the gradient accumulators meet a stream other than the one they were
+            # made on; the graphed steps are tested equal to eager ones (tests/test_graphs.py)
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
             loss, t_out, center, stats = step.forward_loss(self.inputs, sched.teacher_temp)
-        if zero_grad:
-            step.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+            if zero_grad:
+                step.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         clip_per_parameter(step.raw_student.parameters(), step.clip_grad)
         with torch.no_grad():
             before = [p.detach().clone() for p in self.last]
