@@ -434,8 +434,9 @@ def _check_word(key: str, value, limit: Choice, listed: bool) -> None:
     them only where the key holds lists (`listed`)."""
     if isinstance(value, (list, ListConfig)) and not listed:
         raise UserError(f"{key}={_show(value)} is not allowed: {key} must be {limit.describe()}, not a list")
+    # text that spells a flag: quoted on the command line, or handed in by code
     flag = [_show(w) for w in limit.words if isinstance(w, bool) and _show(w) == str(value).lower()]
-    if isinstance(value, str) and flag:   # quoted on the command line, or text handed in by code
+    if isinstance(value, str) and flag:
         raise UserError(f"{key}={value!r} is text, not the flag {flag[0]}: write {key}={flag[0]} without quotes")
     _check_value(key, value, limit)
 
