@@ -295,3 +295,16 @@ def test_compare_reuses_a_finished_path_only_while_its_input_holds_the_same_weig
     with pytest.raises(UserError, match=f"a finished linear run \\(linear/\\) from {dino / 'checkpoint.pth'} as "
                                         f"it was then .*; pass out={tmp_path / 'cmp'}_2 to start"):
         finished(step, sub)
+
+
+def test_knn_on_a_checkpoint_rewritten_in_place_evaluates_the_new_weights(tmp_path):
+    # evaluators have no "nothing to do": each run reads the file, and the feature cache is keyed
+    # by the weights it loaded (models.load.weights_hash), not by the path
+    lab = labeled(tmp_path / "lab")
+    run = dino_run(tmp_path / "runs", "fm1", lab, 1)
+    assert main(["knn", str(run), "k=3", "num_workers=0"]) == 0
+    dino_run(tmp_path / "runs", "fm1", lab, 2)
+    assert main(["knn", str(run), "k=3", "num_workers=0"]) == 0
+    first, second = lines(run / "evaluations.jsonl")
+    assert first["checkpoint"]["weights_hash"] != second["checkpoint"]["weights_hash"]
+    assert len(list((run / "features").glob("train-*"))) == 2
