@@ -141,7 +141,7 @@ class WeightsSpec:
 
 
 def _sha256(path) -> str:
-    """The file's sha256. The whole file is hashed, each time it is asked (a run asks once):
+    """The file's sha256, the whole file each time it is asked (a run checks or records it once):
     it costs a fraction of the torch.load that reads the same bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as f:

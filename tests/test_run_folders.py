@@ -208,6 +208,27 @@ def test_a_spec_names_its_weights_by_their_bytes(tmp_path):
     assert WeightsSpec.parse(tmp_path / "gone.pth").identity() is None          # the loader says it is missing
 
 
+def test_each_trainer_records_the_weights_its_input_key_names(tmp_path):
+    from resmlp.core.engine import INPUTS_NAME, input_changed, record_inputs
+    teacher = tmp_path / "teacher.pth"
+    teacher.write_bytes(b"one")
+    keys = {"distill": "distill.teacher", "finetune": "checkpoint", "dino": "dino.init"}
+    cfgs = {c: load_config(c, "resmlp_s12", ["demo=false", f"{k}={teacher}"]) for c, k in keys.items()}
+    for command, cfg in cfgs.items():
+        record_inputs(tmp_path / command, cfg)
+        assert json.loads((tmp_path / command / INPUTS_NAME).read_text())[keys[command]]["sha256"] == sha256(teacher)
+        assert input_changed(tmp_path / command, cfg) is None
+    teacher.write_bytes(b"two")
+    for command, cfg in cfgs.items():
+        key, why = input_changed(tmp_path / command, cfg)
+        assert key == keys[command] and why.startswith(f"{teacher} as it was then") and sha256(teacher)[:12] in why
+    # dino without dino.init: the run's own start, nothing compared; a fresh start keeps no stale record
+    plain = load_config("dino", "resmlp_s12", ["demo=false"])
+    assert input_changed(tmp_path / "dino", plain) is None
+    record_inputs(tmp_path / "dino", plain)
+    assert not (tmp_path / "dino" / INPUTS_NAME).exists()
+
+
 @pytest.mark.slow
 def test_a_checkpoint_rewritten_in_place_is_not_taken_for_the_one_a_run_started_from(tmp_path, monkeypatch, capsys):
     from resmlp.core.engine import INPUTS_NAME
