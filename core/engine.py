@@ -37,6 +37,7 @@ from resmlp.core.errors import Finished, Preempted, RunFailed, UserError
 from resmlp.core.lock import RunLock, release_all
 from resmlp.core.outdir import beside, input_key, input_name
 from resmlp.core.report import write_json
+from resmlp.core.weights import WeightsSpec
 
 # Fault injection for the resume tests: the process kills itself after this iteration.
 KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
@@ -52,6 +53,11 @@ RESUME_MAY_CHANGE = ("model.grad_checkpointing", "model.fused", "data.decode", "
 # from other weights is neither continued nor taken for this one. null (dino.init left out):
 # the run's own start, whatever it was.
 INPUT_KEYS = {"finetune": "checkpoint", "distill": "distill.teacher", "dino": "dino.init"}
+# What a run dir keeps of the weights it started from: the identity of each input
+# (core.weights: WeightsSpec.identity, the sha256 of a file), written when the run starts.
+# The path alone would take a checkpoint retrained or replaced in place for the one the run
+# read.
+INPUTS_NAME = "inputs.json"
 # Keys that do not change what a run computes: a finished run with other values of these is
 # still the run asked for ("nothing to do"; compare reuses it).
 RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "log_every_s", "ckpt_every",
@@ -109,6 +115,48 @@ def started_from(saved: dict, current: dict) -> tuple[str, str | None, str | Non
         return "", None, None
     pick = lambda c: OmegaConf.select(OmegaConf.create(c), key, default=None)  # noqa: E731
     return key, input_key(pick(saved)), input_key(pick(current))
+
+
+def _named_input(cfg, key: str | None = None) -> tuple[str, str | None]:
+    """(the input key: `key`, else the command's INPUT_KEYS entry; the weights it names now,
+    or None). cfg: a config or its dict."""
+    cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    key = key or INPUT_KEYS.get(str(OmegaConf.select(cfg, "command", default="")), "")
+    return key, (OmegaConf.select(cfg, key, default=None) if key else None)
+
+
+def record_inputs(directory, cfg, key: str | None = None) -> None:
+    """Write INPUTS_NAME into the run dir: the identity of the weights cfg starts from (its
+    `key`, default the command's INPUT_KEYS entry; a stale record of an earlier start is
+    removed when it names none)."""
+    key, spec = _named_input(cfg, key)
+    path = Path(directory) / INPUTS_NAME
+    identity = WeightsSpec.parse(spec).identity() if spec is not None else None
+    if identity is None:
+        path.unlink(missing_ok=True)
+        return
+    write_json(path, {key: identity})
+
+
+def input_changed(directory, cfg, key: str | None = None) -> tuple[str, str] | None:
+    """(input key, why) when the run in `directory` started from a file that holds other
+    weights now than then: the path is the same (started_from compares paths), the bytes
+    are not. None when they are the same, when cfg names no input (the run's own start),
+    or when either side is unknown: a run dir written before runs kept INPUTS_NAME is taken
+    as started from the weights there now (refusing it would strand every older run, and
+    nothing tells), and a file missing now is the loader's to name. `key`: as record_inputs."""
+    key, spec = _named_input(cfg, key)
+    if spec is None:
+        return None
+    try:
+        was = json.loads((Path(directory) / INPUTS_NAME).read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    now = WeightsSpec.parse(spec).identity()
+    if not isinstance(was, dict) or now is None or was.get("sha256") in (None, now.get("sha256")):
+        return None
+    return key, (f"{now['file']} as it was then (its weights changed since: sha256 {str(was['sha256'])[:12]} "
+                 f"then, {now['sha256'][:12]} now)")
 
 
 def settings_of(config: dict) -> dict:
@@ -242,6 +290,7 @@ class Run:
         self._checked_resume = self._check_run_dir()
         self._agree(self.lock.problem)  # a live run holds the directory: stop before any work
         if self._checked_resume:
+            self._agree(self._input_problem)  # rank 0 hashes the input file
             self._stop_if_finished()
         self.logger: JsonlLogger | None = None
         self.started = time.time()
@@ -280,6 +329,8 @@ class Run:
             if warning:
                 self.print(warning)
             save_config(self.cfg, self.dir / "config.yaml")
+            if not (self._checked_resume and (self.dir / INPUTS_NAME).exists()):  # a resumed run keeps its start's
+                record_inputs(self.dir, self.cfg)
             return None
 
         self._agree(take)
@@ -309,6 +360,19 @@ class Run:
                                       f"drop {key} to continue that run" if key == "dino.init" else ""))
         self._saved = saved
         return True
+
+    def _input_problem(self) -> str | None:
+        """The line that refuses a run dir whose run started from the file named now when it
+        held other weights (input_changed): resuming would mix the two, and its results are
+        not those of the weights there now."""
+        changed = input_changed(self.dir, self.cfg)
+        if changed is None:
+            return None
+        key, why = changed
+        if (self.dir / "results.json").exists():
+            return other_run(self.dir, f"a finished run from {why}")
+        return other_run(self.dir, f"an unfinished run from {why}",
+                         f"drop {key} to continue that run" if key == "dino.init" else "")
 
     def _stop_if_finished(self) -> None:
         """Resuming a run that has ended (its results.json is there, for at least these

@@ -13,6 +13,7 @@ messages that suggest one build it with `timm_spec`.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -116,6 +117,20 @@ class WeightsSpec:
                 path.name if path.is_dir() or not path.suffix else path.stem
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "weights"
 
+    def identity(self) -> dict | None:
+        """What these weights are, to tell whether a run that started from this spec started
+        from the same weights (core.engine: a run folder belongs to its inputs): timm's spec as
+        given for timm (the name is the weights); for a path, the checkpoint file read
+        (`key`), its size and the sha256 of its bytes, so a file retrained or replaced in
+        place is another input. None: no file there now (the loader names what is missing)."""
+        if self.is_timm:
+            return {"timm": self.text}
+        try:
+            file = self.file
+            return {"file": self.key, "bytes": file.stat().st_size, "sha256": _sha256(file)}
+        except (UserError, OSError):
+            return None
+
     def saved_config(self) -> dict | None:
         """The config this project's checkpoint or run dir was trained with (None: timm's,
         or a file without one). A run dir may keep it in config.yaml; a missing file is named
@@ -123,6 +138,16 @@ class WeightsSpec:
         if self.is_timm:
             return None
         return saved_config(self.text if self.path.is_dir() else self.file)
+
+
+def _sha256(path) -> str:
+    """The file's sha256, the whole file each time it is asked (a run checks or records it once):
+    it costs a fraction of the torch.load that reads the same bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 __all__ = ["ANY", "FLAGS", "FORMS", "WeightsSpec", "names_timm", "timm_spec"]

@@ -189,3 +189,152 @@ def test_viz_on_a_run_still_training_says_so_first_and_marks_the_epoch(tmp_path,
     assert main(["viz", str(run), "viz.figures=[sparsity]", "viz.dpi=30"]) == 0
     assert "still training" not in capsys.readouterr().out
     assert (run / "viz" / folder.name / "sparsity.png").is_file()
+
+
+# ---- the same path, other weights ------------------------------------------------------------
+
+def sha256(path: Path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def files_of(folder: Path) -> dict:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_spec_names_its_weights_by_their_bytes(tmp_path):
+    from resmlp.core.weights import WeightsSpec
+    run = tmp_path / "fm1"
+    run.mkdir()
+    (run / "checkpoint.pth").write_bytes(b"a" * 100)
+    first = WeightsSpec.parse(run).identity()
+    assert first == {"file": str(run.resolve() / "checkpoint.pth"), "bytes": 100,
+                     "sha256": sha256(run / "checkpoint.pth")}
+    assert WeightsSpec.parse(run / "checkpoint.pth").identity() == first       # the same file, either way named
+    (run / "checkpoint.pth").write_bytes(b"b" * 100)                            # rewritten in place, same size
+    assert WeightsSpec.parse(run).identity()["sha256"] != first["sha256"]
+    assert WeightsSpec.parse("timm:resmlp_12_224?random").identity() == {"timm": "timm:resmlp_12_224?random"}
+    assert WeightsSpec.parse(tmp_path / "gone.pth").identity() is None          # the loader says it is missing
+
+
+def test_each_trainer_records_the_weights_its_input_key_names(tmp_path):
+    from resmlp.core.engine import INPUTS_NAME, input_changed, record_inputs
+    teacher = tmp_path / "teacher.pth"
+    teacher.write_bytes(b"one")
+    keys = {"distill": "distill.teacher", "finetune": "checkpoint", "dino": "dino.init"}
+    cfgs = {c: load_config(c, "resmlp_s12", ["demo=false", f"{k}={teacher}"]) for c, k in keys.items()}
+    for command, cfg in cfgs.items():
+        record_inputs(tmp_path / command, cfg)
+        assert json.loads((tmp_path / command / INPUTS_NAME).read_text())[keys[command]]["sha256"] == sha256(teacher)
+        assert input_changed(tmp_path / command, cfg) is None
+    teacher.write_bytes(b"two")
+    for command, cfg in cfgs.items():
+        key, why = input_changed(tmp_path / command, cfg)
+        assert key == keys[command] and why.startswith(f"{teacher} as it was then") and sha256(teacher)[:12] in why
+    # dino without dino.init: the run's own start, nothing compared; a fresh start keeps no stale record
+    plain = load_config("dino", "resmlp_s12", ["demo=false"])
+    assert input_changed(tmp_path / "dino", plain) is None
+    record_inputs(tmp_path / "dino", plain)
+    assert not (tmp_path / "dino" / INPUTS_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_rewritten_in_place_is_not_taken_for_the_one_a_run_started_from(tmp_path, monkeypatch, capsys):
+    from resmlp.core.engine import INPUTS_NAME
+    monkeypatch.chdir(tmp_path)
+    lab = labeled(tmp_path / "lab")
+    fm1 = dino_run(tmp_path / "runs", "fm1", lab, 1)
+    ckpt = fm1 / "checkpoint.pth"
+    old_bytes = ckpt.read_bytes()
+    finetune = ["finetune", "runs/fm1", *FINETUNE, "finetune.min_steps=0"]   # its 3 steps
+    assert main(finetune) == 0
+    done = tmp_path / "runs" / "finetune_resmlp_s12_imagefolder_from_fm1"
+    assert json.loads((done / INPUTS_NAME).read_text()) == {
+        "checkpoint": {"file": str(ckpt), "bytes": ckpt.stat().st_size, "sha256": sha256(ckpt)}}
+    capsys.readouterr()
+    assert main(finetune) == 0                      # unchanged: nothing to do
+    assert "holds a finished run" in capsys.readouterr().out
+
+    dino_run(tmp_path / "runs", "fm1", lab, 2)                                  # fm1 retrained: other weights there
+    new = sha256(ckpt)
+    before = files_of(done)
+    for state in ("finished", "unfinished"):
+        assert main(finetune) == 2, state
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "nothing to do" not in err, err
+        was = json.loads((done / INPUTS_NAME).read_text())["checkpoint"]["sha256"]
+        assert f"holds a{'n' if state == 'unfinished' else ''} {state} run from {ckpt} as it was then (its weights " \
+               f"changed since: sha256 {was[:12]} then, {new[:12]} now); pass out={Path('runs') / done.name}_2 to " \
+               "start this one beside it" in err, err
+        assert files_of(done) == before and not Path(f"{done}_2").exists()
+        if state == "finished":                                                 # a run killed before its end
+            results = (done / "results.json").read_bytes()
+            (done / "results.json").unlink()
+            before = files_of(done)
+    (done / "results.json").write_bytes(results)
+
+    ckpt.write_bytes(old_bytes)                                                 # the weights it read, back
+    assert main(finetune) == 0
+    assert "holds a finished run" in capsys.readouterr().out
+    # a run dir from before runs kept their inputs: taken as started from the weights there now
+    dino_run(tmp_path / "runs", "fm1", lab, 2)
+    (done / INPUTS_NAME).unlink()
+    assert main(finetune) == 0
+    assert "holds a finished run" in capsys.readouterr().out
+
+
+DINO_INIT = ["data=imagefolder", "epochs=1", "batch_size=4", "dino.out_dim=64", "dino.hidden_dim=32",
+             "dino.bottleneck_dim=16", "dino.n_local_crops=2", "data.local_size=8", "eval_every=0", "knn.k=3",
+             "dino.head_warmup_epochs=0"]
+
+
+@pytest.mark.slow
+def test_dino_init_from_a_file_rewritten_since_is_refused_finished_or_not(tmp_path, capsys):
+    lab = labeled(tmp_path / "lab")
+    fm1 = dino_run(tmp_path / "runs", "fm1", lab, 1)
+    run = tmp_path / "runs" / "cont"
+    args = ["dino", "resmlp_s12", *TINY, *DINO_INIT, f"data.root={lab}", f"dino.init={fm1}", f"out={run}"]
+    assert main(args) == 0
+    assert main(args) == 0 and "holds a finished run" in capsys.readouterr().out     # unchanged: nothing to do
+    dino_run(tmp_path / "runs", "fm1", lab, 2)                                         # other weights, same path
+    for state in ("finished", "unfinished"):
+        before = files_of(run)
+        assert main(args) == 2, state
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"run from {fm1 / 'checkpoint.pth'} as it was then (its weights changed" in err
+        assert ("drop dino.init to continue that run, or pass" in err) == (state == "unfinished"), err
+        assert files_of(run) == before and not Path(f"{run}_2").exists()
+        (run / "results.json").unlink(missing_ok=True)
+
+
+def test_compare_reuses_a_finished_path_only_while_its_input_holds_the_same_weights(tmp_path):
+    from resmlp.core.engine import record_inputs
+    from resmlp.core.errors import UserError
+    from resmlp.supervised.compare import finished, input_key, plan, sub_config
+    lab = labeled(tmp_path / "lab")
+    cfg = load_config("compare", "resmlp_s12", [*TINY, "data=imagefolder", f"data.root={lab}",
+                                                "compare.teacher=timm:regnety_002?random", f"out={tmp_path / 'cmp'}"])
+    step = next(s for s in plan(cfg) if s.key == "linear")                # linear/ probes dino/'s checkpoint
+    dino = dino_run(tmp_path, "cmp/dino", lab, 1)
+    sub = sub_config(cfg, step)
+    save_config(sub, step.dir / "config.yaml")
+    record_inputs(step.dir, sub, input_key(step))
+    (step.dir / "results.json").write_text(json.dumps({"top1": 50.0}))
+    assert finished(step, sub) == {"top1": 50.0}
+    dino_run(tmp_path, "cmp/dino", lab, 2)                                # dino/ trained again
+    with pytest.raises(UserError, match=f"a finished linear run \\(linear/\\) from {dino / 'checkpoint.pth'} as "
+                                        f"it was then .*; pass out={tmp_path / 'cmp'}_2 to start"):
+        finished(step, sub)
+
+
+def test_knn_on_a_checkpoint_rewritten_in_place_evaluates_the_new_weights(tmp_path):
+    # evaluators have no "nothing to do": each run reads the file, and the feature cache is keyed
+    # by the weights it loaded (models.load.weights_hash), not by the path
+    lab = labeled(tmp_path / "lab")
+    run = dino_run(tmp_path / "runs", "fm1", lab, 1)
+    assert main(["knn", str(run), "k=3", "num_workers=0"]) == 0
+    dino_run(tmp_path / "runs", "fm1", lab, 2)
+    assert main(["knn", str(run), "k=3", "num_workers=0"]) == 0
+    first, second = lines(run / "evaluations.jsonl")
+    assert first["checkpoint"]["weights_hash"] != second["checkpoint"]["weights_hash"]
+    assert len(list((run / "features").glob("train-*"))) == 2
