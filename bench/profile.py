@@ -41,7 +41,6 @@ from resmlp.bench.timing import PhaseClock, measure, peak_memory_gb, reset_memor
 from resmlp.core.errors import UserError
 
 PHASES = ("loader", "augment", "step", "knn")   # what profile.phases may name
-KNN_SIZES = ("gpu", "cpu", "tiny")   # the bench profiles whose knn sizes profile.knn may name
 
 
 def _pop(args: list[str], key: str, default):
@@ -69,9 +68,10 @@ def _main(args: list[str]) -> int:
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         raise UserError(f"profile.phases: {','.join(unknown)} is not one of {', '.join(PHASES)}")
-    if knn_sizes not in KNN_SIZES:
-        raise UserError(f"profile.knn={knn_sizes} is not one of {', '.join(KNN_SIZES)} (the bench profiles)")
-    from resmlp.core.config import load_config
+    from resmlp.core.config import choices, load_config
+    profiles = [p for p in choices("bench.profile") if p != "auto"]   # those with knn sizes
+    if knn_sizes not in profiles:
+        raise UserError(f"profile.knn={knn_sizes} is not one of {', '.join(profiles)} (the bench profiles)")
     from resmlp.data.crop_plan import crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
