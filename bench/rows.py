@@ -107,7 +107,7 @@ def build_our_step(cfg, device: torch.device, precision: str, compile: bool, gra
     from resmlp.ssl.step import build_dino_step
     cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
     if graphs is not None:
-        cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": str(bool(graphs)).lower()}})
+        cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": bool(graphs)}})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return build_dino_step(cfg, crop_plan(cfg), device, scaler, autocast_for(device, precision))
 

@@ -118,7 +118,7 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     model, data, rest = _names(split_overrides(overrides), model, base)
     cfg, (limits, moved, paths) = _layers(command, model, data, base)
     OmegaConf.set_struct(cfg, True)
-    cfg.demo = _demo_wanted(cfg, rest)
+    cfg.demo, rest = _demo_wanted(cfg, rest, limits["demo"])
     # the data file's demo sizes only where the network starts here: a checkpoint's run keeps its own
     demo = [*cfg.demo_overrides, *(cfg.demo_data_overrides if base is None else [])] if cfg.demo else []
     from_demo = len(demo)
@@ -391,17 +391,23 @@ def choices(key: str) -> tuple:
 def check_choice(key: str, value) -> None:
     """UserError unless `value` is one of `key`'s words: for code handed a value directly
     (a library call) rather than through a config load_config checked."""
-    _check_value(key, value, Choice(choices(key)))
+    _check_word(key, value, Choice(choices(key)), listed=True)
 
 
 def _show(value) -> str:
+    """A value as the command line writes it (null, true)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
     return str(list(value)) if isinstance(value, ListConfig) else str(value)
 
 
 def _check_type(key: str, before, after, origin: str, limit=None) -> None:
     """Untyped YAML accepts anything: keep numbers numbers and flags flags (null too where
     the key's limit allows it), and no number the code cannot hold (inf, nan, past int64),
-    also where no limit is written (a limit says so itself, with its range). `origin` says where `before` came from."""
+    also where no limit is written (a limit says so itself, with its range); a key with a
+    list of words holds one of them (_check_word). `origin` says where `before` came from."""
+    if isinstance(limit, Choice):
+        return _check_word(key, after, limit, listed=isinstance(before, (list, ListConfig)))
     if after is None and limit is not None and limit.allows(None):
         return
     past = [v for v in (after if isinstance(after, (list, ListConfig)) else [after])
@@ -422,22 +428,42 @@ def _check_type(key: str, before, after, origin: str, limit=None) -> None:
         raise UserError(f"{key}={after!r} should be {want} ({origin})")
 
 
-def _demo_wanted(cfg: DictConfig, overrides: list[str]) -> bool:
-    """demo=auto means: the short CPU demo when this machine has no GPU and runs the command
+def _check_word(key: str, value, limit: Choice, listed: bool) -> None:
+    """`value` is one of the key's words, of whichever kind they are (auto | true | false:
+    a word or a flag, as YAML reads them in the list and on the command line); a list of
+    them only where the key holds lists (`listed`)."""
+    if isinstance(value, (list, ListConfig)) and not listed:
+        raise UserError(f"{key}={_show(value)} is not allowed: {key} must be {limit.describe()}, not a list")
+    # text that spells a flag: quoted on the command line, or handed in by code
+    flag = [_show(w) for w in limit.words if isinstance(w, bool) and _show(w) == str(value).lower()]
+    if isinstance(value, str) and flag:
+        raise UserError(f"{key}={value!r} is text, not the flag {flag[0]}: write {key}={flag[0]} without quotes")
+    _check_value(key, value, limit)
+
+
+def _demo_wanted(cfg: DictConfig, overrides: list[str], limit: Choice) -> tuple[bool, list[str]]:
+    """(whether this is the CPU demo, the overrides but demo=): demo decides which overrides
+    apply first, so its value is read and checked against its limit before any is merged.
+    demo=auto means: the short CPU demo when this machine has no GPU and runs the command
     itself (launcher=slurm submits it to GPU nodes, which decide there)."""
-    value, launcher = cfg.demo, cfg.get("launcher", "local")
-    for o in overrides:
-        if _key_of(o) == "demo":
-            value = o.split("=", 1)[1]
-        if _key_of(o) == "launcher":
-            launcher = o.split("=", 1)[1]
-    value = str(value).lower()
-    if value not in ("auto", "true", "false"):
-        raise UserError(f"demo={value!r} is not one of auto, true, false")
+    value = _given(overrides, "demo", cfg.demo)
+    _check_word("demo", value, limit, listed=False)
     if value == "auto":
         import torch
-        return launcher == "local" and not torch.cuda.is_available()
-    return value == "true"
+        value = _given(overrides, "launcher", cfg.get("launcher")) == "local" and not torch.cuda.is_available()
+    return value, [o for o in overrides if _key_of(o) != "demo"]
+
+
+def _given(overrides: list[str], key: str, default):
+    """The value the last `key=` override gives, read as merging it would (true: a flag),
+    else `default`; a value that is no YAML stays text (the checks refuse it in one line)."""
+    for o in reversed(overrides):
+        if _key_of(o) == key:
+            try:
+                return OmegaConf.from_dotlist([f"value={o.split('=', 1)[1]}"]).value
+            except (OmegaConfBaseException, yaml.YAMLError):
+                return o.split("=", 1)[1]
+    return default
 
 
 def _known(saved: DictConfig, current: DictConfig) -> DictConfig:

@@ -33,6 +33,7 @@ import warnings
 
 import torch
 
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.ssl.ema import update_teacher_by
 from resmlp.ssl.clip import clip_per_parameter
@@ -42,12 +43,11 @@ WARMUP = 3   # uncaptured calls before the capture (torch's own examples use 3)
 
 def use_cuda_graphs(value, device: torch.device, world_size: int, scaler_enabled: bool,
                     continuing: bool = False) -> bool:
-    """dino.cuda_graphs: true | false | auto (on where it can be: one CUDA process, no
-    GradScaler, not continuing from dino.init). true where it cannot be is a UserError."""
-    text = str(value).lower()
-    if text not in ("true", "false", "auto"):
-        raise UserError(f"dino.cuda_graphs={value!r} is not one of true, false, auto")
-    if text == "false":
+    """dino.cuda_graphs (its words in configs/method/dino.yaml's limits): true, false or
+    auto (on where it can be: one CUDA process, no GradScaler, not continuing from
+    dino.init). true where it cannot be is a UserError."""
+    check_choice("dino.cuda_graphs", value)   # a value handed in by code, not only by load_config
+    if value is False:
         return False
     why = None
     if device.type != "cuda":
@@ -58,7 +58,7 @@ def use_cuda_graphs(value, device: torch.device, world_size: int, scaler_enabled
         why = "bf16 or fp32 (fp16's GradScaler reads its scale on the host)"
     elif continuing:
         why = "a run without dino.init (its head warm-up and the backbone's learning-rate scale are not graphed)"
-    if why and text == "true":
+    if why and value is True:
         raise UserError(f"dino.cuda_graphs=true needs {why}; set dino.cuda_graphs=false or auto")
     return why is None
 
@@ -154,12 +154,16 @@ class GraphedStep:
         """DinoStep.__call__'s arithmetic with every per-iteration value read from the
         schedule's tensors: what the graph holds."""
         step, sched = self.step, self.sched
-        with warnings.catch_warnings():  # lightly copies the temperature with torch.tensor()
-            warnings.filterwarnings("ignore", message="To copy construct from a tensor")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # lightly's temperature
+            # The warm-up runs on a side stream and the capture on the graph's own, as capture
+            # requires, so the gradient accumulators meet a stream other than the one they were
+            # made on; the graphed steps are tested equal to eager ones (tests/test_graphs.py)
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
             loss, t_out, center, stats = step.forward_loss(self.inputs, sched.teacher_temp)
-        if zero_grad:
-            step.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+            if zero_grad:
+                step.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         clip_per_parameter(step.raw_student.parameters(), step.clip_grad)
         with torch.no_grad():
             before = [p.detach().clone() for p in self.last]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from resmlp.core.config import Choice, all_choices, check_choice, choices
+from resmlp.core.config import Choice, all_choices, check_choice, choices, load_config
 from resmlp.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,8 @@ def repeated_words(source: str, lists: dict) -> list[tuple[int, str]]:
     """(line, key) for each literal in `source` that repeats one of `lists` ({key: words})."""
     sets = {}
     for key, words in lists.items():
-        strings = frozenset(w for w in words if isinstance(w, str))
+        # a flag among the words counts as the word YAML reads as it (true, false)
+        strings = frozenset(w if isinstance(w, str) else str(w).lower() for w in words if isinstance(w, (str, bool)))
         for s in (strings, strings - {"auto"}):
             if len(s) >= 2:
                 sets[s] = f"{sets[s]} / {key}" if s in sets and key not in sets[s] else key
@@ -38,19 +39,22 @@ def repeated_words(source: str, lists: dict) -> list[tuple[int, str]]:
 
 
 def test_the_finder_sees_a_repeat_and_lets_a_branch_be():
-    lists = {"precision": ("auto", "bf16", "fp16", "fp32"), "export.format": ("timm", "official", "safetensors")}
+    lists = {"precision": ("auto", "bf16", "fp16", "fp32"), "export.format": ("timm", "official", "safetensors"),
+             "dino.cuda_graphs": ("auto", True, False)}
     src = ('A = ("bf16", "fp16", "fp32")\n'
            'B = ["safetensors", "official", "timm"]\n'
            'if fmt in ("timm", "official"): pass\n'
-           'T = {"bf16": 1, "fp16": 2, "fp32": 3}\n')
-    assert repeated_words(src, lists) == [(1, "precision"), (2, "export.format")]
+           'T = {"bf16": 1, "fp16": 2, "fp32": 3}\n'
+           'if text not in ("true", "false", "auto"): pass\n'   # what ssl/graphs.py held before its limit
+           'if value == "auto": pass\n')
+    assert repeated_words(src, lists) == [(1, "precision"), (2, "export.format"), (5, "dino.cuda_graphs")]
 
 
 def test_no_module_repeats_a_keys_words():
     lists = all_choices()
     assert {"device", "precision", "launcher", "slurm.cluster", "data.decode", "knn.backend", "features.key",
             "export.format", "linear.mode", "distill.type", "eval.data", "campaign.stages", "dino.local_crops",
-            "dino.augment", "dino.bottleneck_norm", "bench.profile"} <= lists.keys()
+            "dino.augment", "dino.bottleneck_norm", "bench.profile", "demo", "dino.cuda_graphs"} <= lists.keys()
     found = [f"{path.relative_to(ROOT)}:{line} repeats {key}'s words ({choices(key)})"
              for folder in PACKAGE for path in sorted((ROOT / folder).rglob("*.py"))
              for line, key in repeated_words(path.read_text(), lists)]
@@ -70,3 +74,86 @@ def test_a_value_handed_to_code_is_checked_against_the_limits():
                                         "torch$"):
         check_choice("knn.backend", "annoy")
     assert Choice(choices("eval.data")).allows(None)
+
+
+# ---- words or flags: demo and dino.cuda_graphs (auto | true | false) ------------------------
+
+FLAG_OR_WORD = ("demo", "dino.cuda_graphs")
+
+
+def test_a_flag_or_word_key_is_its_limits_words_as_yaml_reads_them():
+    """[auto, true, false] in a `limits:` list: the word auto and the flags true and false,
+    which is how OmegaConf reads `key=true` on the command line too."""
+    for key in FLAG_OR_WORD:
+        assert set(choices(key)) == {"auto", True, False}
+        assert all(type(w) in (str, bool) for w in choices(key))
+    assert load_config("dino", "resmlp_s12", ["demo=false"]).dino.cuda_graphs is False   # a flag, not the text
+
+
+@pytest.mark.parametrize("given, graphs", [("true", True), ("True", True), ("false", False), ("auto", "auto")])
+def test_every_word_of_dino_cuda_graphs_is_taken(given, graphs):
+    assert load_config("dino", "resmlp_s12", ["demo=false", f"dino.cuda_graphs={given}"]).dino.cuda_graphs == graphs
+
+
+def test_every_word_of_demo_is_taken_and_the_config_keeps_the_decision():
+    import torch
+    no_gpu = not torch.cuda.is_available()
+    for given, demo in (("true", True), ("True", True), ("false", False), ("auto", no_gpu)):
+        cfg = load_config("dino", "resmlp_s12", [f"demo={given}"])
+        assert cfg.demo is demo, given
+        assert (cfg.model.dim == 64) is demo   # its demo_overrides applied, or not
+    assert load_config("dino", "resmlp_s12", []).demo is no_gpu   # dino.yaml's default is auto
+    # a submission decides on the GPU nodes: auto is no demo here
+    assert load_config("dino", "resmlp_s12", ["demo=auto", "launcher=slurm"]).demo is False
+    assert load_config("knn", "resmlp_s12", ["checkpoint=x"]).demo is False   # defaults.yaml's false
+
+
+@pytest.mark.parametrize("override, line", [
+    ("demo=maybe", "demo=maybe is not allowed: demo must be one of auto, true, false"),
+    ("demo=0", "demo=0 is not allowed: demo must be one of auto, true, false"),
+    ("demo=null", "demo=null is not allowed: demo must be one of auto, true, false"),
+    ("demo=[auto]", "demo=['auto'] is not allowed: demo must be one of auto, true, false, not a list"),
+    ("dino.cuda_graphs=maybe", "dino.cuda_graphs=maybe is not allowed: dino.cuda_graphs must be one of auto, true, "
+                               "false"),
+    ("dino.cuda_graphs=0", "dino.cuda_graphs=0 is not allowed: dino.cuda_graphs must be one of auto, true, false"),
+    ("dino.cuda_graphs=[true]", "dino.cuda_graphs=[True] is not allowed: dino.cuda_graphs must be one of auto, true, "
+                                "false, not a list"),
+    ("dino.cuda_graphs='true'", "dino.cuda_graphs='true' is text, not the flag true: write dino.cuda_graphs=true "
+                                "without quotes"),
+])
+def test_a_bad_word_is_one_line_exit_2_and_nothing_is_made(override, line, tmp_path, monkeypatch, capsys):
+    from resmlp.core import cli
+    monkeypatch.chdir(tmp_path)   # runs/ would appear here if the command went on
+    assert cli.main(["dino", "resmlp_s12", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {line}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_words_are_read_from_the_limits(tmp_path, monkeypatch):
+    """With auto struck from both limits: lists, auto is refused everywhere, naming the words
+    that are left: in load_config (demo before the merge, dino.cuda_graphs after it) and in
+    the code handed a value (ssl.graphs.use_cuda_graphs)."""
+    import shutil
+
+    import torch
+
+    from resmlp.core import config
+    from resmlp.ssl.graphs import use_cuda_graphs
+    configs = shutil.copytree(config.CONFIG_DIR, tmp_path / "configs")
+    for name, key in (("defaults.yaml", "demo"), ("method/dino.yaml", "dino.cuda_graphs")):
+        text = (configs / name).read_text()
+        assert f"  {key}: [auto, true, false]" in text
+        (configs / name).write_text(text.replace(f"  {key}: [auto, true, false]", f"  {key}: [true, false]"))
+    monkeypatch.setattr(config, "CONFIG_DIR", configs)
+    config.all_choices.cache_clear()
+    try:
+        with pytest.raises(UserError, match="^demo=auto is not allowed: demo must be one of true, false$"):
+            load_config("dino", "resmlp_s12", [])   # dino.yaml's own default
+        with pytest.raises(UserError, match="^dino.cuda_graphs=auto is not allowed: dino.cuda_graphs must be one of "
+                                            "true, false$"):
+            load_config("dino", "resmlp_s12", ["demo=false", "dino.cuda_graphs=auto"])
+        with pytest.raises(UserError, match="must be one of true, false$"):
+            use_cuda_graphs("auto", torch.device("cpu"), 1, False)
+    finally:
+        config.all_choices.cache_clear()

@@ -83,18 +83,21 @@ def test_tensor_schedules_give_the_steps_of_plain_numbers():
 
 def test_the_switch():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert not use_cuda_graphs("false", gpu, 1, False) and not use_cuda_graphs(False, gpu, 1, False)
+    assert not use_cuda_graphs(False, gpu, 1, False)
     assert use_cuda_graphs("auto", gpu, 1, False) and use_cuda_graphs(True, gpu, 1, False)
     assert not use_cuda_graphs("auto", cpu, 1, False) and not use_cuda_graphs("auto", gpu, 2, False)
     assert not use_cuda_graphs("auto", gpu, 1, True)
     for args, why in (((cpu, 1, False), "CUDA GPU"), ((gpu, 2, False), "single process"),
                       ((gpu, 1, True), "GradScaler")):
         with pytest.raises(UserError, match=why):
-            use_cuda_graphs("true", *args)
-    with pytest.raises(UserError, match="one of true, false, auto"):
+            use_cuda_graphs(True, *args)
+    with pytest.raises(UserError, match="^dino.cuda_graphs=sometimes is not allowed: dino.cuda_graphs must be one "
+                                        "of auto, true, false$"):
         use_cuda_graphs("sometimes", gpu, 1, False)
+    with pytest.raises(UserError, match="is text, not the flag true"):   # no second reading of the words
+        use_cuda_graphs("true", gpu, 1, False)
     cfg, _ = tiny()
-    assert str(cfg.dino.cuda_graphs) == "false"  # off until a GPU run shows it faster
+    assert cfg.dino.cuda_graphs is False  # off until a GPU run shows it faster
     with pytest.raises(UserError, match="dino.cuda_graphs=true needs a CUDA GPU"):
         R.build_our_step(tiny("dino.cuda_graphs=true")[0], cpu, "fp32", compile=False)
     assert R.build_our_step(tiny("dino.cuda_graphs=auto")[0], cpu, "fp32", compile=False).graphed is None

@@ -89,6 +89,15 @@ def test_settings_that_change_a_result_differ_and_runtime_keys_do_not(tmp_path):
     assert settings_differences(d, to_dict(load_config("dino", "resmlp_s12", ["demo=false"]))) == []
 
 
+def test_the_step_as_one_cuda_graph_is_how_a_run_ran_not_what_it_computed():
+    """dino.cuda_graphs is a runtime key as compile is: a finished run is the run asked for
+    whatever it says, also as the text 'false' a config.yaml kept before its limit was a list."""
+    was = to_dict(load_config("dino", "resmlp_s12", ["demo=false"]))
+    was["dino"]["cuda_graphs"] = "false"
+    now = to_dict(load_config("dino", "resmlp_s12", ["demo=false", "dino.cuda_graphs=true"]))
+    assert settings_differences(was, now) == []
+
+
 # ---- fine-tuned, then probed, in turn ------------------------------------------------------
 
 @pytest.mark.slow
