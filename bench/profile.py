@@ -197,7 +197,8 @@ def _time_knn(sizes: str, device, steps: int, top: int) -> tuple[dict, dict | No
     wall = time.perf_counter() - t0
     spans = clock.read()
     out = {"sizes": sizes, "n_train": int(k.n_train), "dim": int(k.dim), "queries": n, "k": int(k.k),
-           "device": device.type, "pass_dtype": str(S._TorchSearch.DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
+           "device": device.type,
+           "pass_dtype": str(S._TorchSearch.DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
            "first_s": t.first_s, "seconds": t.seconds, "repeats": t.repeats, "phased_s": wall,
            "same_votes": bool(torch.equal(scores["plain"], scores["phased"])),
            "top1": float((scores["plain"].argmax(1) == test_y[:n]).float().mean() * 100),

@@ -233,7 +233,8 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
     assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
-                      (["campaign.stages=[preset,viz]"], "one of tests, preset, bench_fused, profile_knn, profile_preset"),
+                      (["campaign.stages=[preset,viz]"], "one of tests, preset, bench_fused, profile_knn, "
+                                                         "profile_preset"),
                       (["campaign.call_s=200"], "no time for the bench stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
@@ -248,7 +249,8 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     assert by["profile_preset"].argv[:2] == ["-m", "resmlp.bench.profile"]
     assert by["profile_preset"].argv[2:6] == ["demo=false", "device=cuda", "compile=true", "ckpt_epochs=10"]
     assert "data.img_size=224" in by["profile_224"].argv
-    assert by["profile_knn"].argv[2:4] == ["profile.phases=knn", "profile.knn=gpu"] and by["profile_knn"].min_start_s == 60
+    assert by["profile_knn"].argv[2:4] == ["profile.phases=knn", "profile.knn=gpu"]
+    assert by["profile_knn"].min_start_s == 60
     assert by["profile_224"].argv[-1] == f"profile.out={tmp_path / 'profile_224'}"
 
 
