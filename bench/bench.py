@@ -74,6 +74,7 @@ class Context:
                 raise Left(f"stopped by {preempt.received()} before this line")
             if self.deadline is not None and t0 > self.deadline:
                 raise Left("bench.time_limit_s reached before this line")
+            R.reset_memory(self.device)  # each line's mem_gb is its own peak, not an earlier line's
             row = {"row": family, **ident, "status": "ok", **(fn() or {})}
         except Left as e:
             row = {"row": family, **ident, "status": "skipped", "reason": str(e), "left": True}

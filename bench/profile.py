@@ -16,6 +16,17 @@ well under 1 means the host, not the device, sets the pace). Extra keys, consume
 `profile.steps=N` (timed calls per phase), `profile.top=N` (kernels listed),
 `profile.out=DIR` (where profile.json goes), `profile.phases=loader,augment,step`
 (without loader: random uint8 images, for a data set that is not on the machine).
+
+`profile.phases=knn` (alone or with the others) does the same for the k-NN of the bench's
+knn row (its `torch-device` line: the bench profile's sizes, `profile.knn=gpu|cpu|tiny`,
+default gpu on a GPU and cpu without one; the features already on the device): the whole
+call timed (its first call at full size alone, then the median of `profile.steps`), then
+one call with its phases timed (eval/knn_search.py's `phase` spans: the inputs, the bank's
+and the queries' unit rows, the float16 pass's matmuls and its block maxima and merges,
+the float64 re-rank, the exactness check, each round's host sync, the copy back, the vote)
+by CUDA events, no host sync added (bench/timing.py's PhaseClock; perf_counter on a CPU),
+with each search round's candidates and queries; on a GPU one call profiled for its top
+kernels.
 """
 from __future__ import annotations
 
@@ -26,7 +37,10 @@ from pathlib import Path
 
 import torch
 
-from resmlp.bench.timing import measure, sync
+from resmlp.bench.timing import PhaseClock, measure, peak_memory_gb, reset_memory, sync
+from resmlp.core.errors import UserError
+
+PHASES = ("loader", "augment", "step", "knn")   # what profile.phases may name
 
 
 def _pop(args: list[str], key: str, default):
@@ -38,27 +52,44 @@ def _pop(args: list[str], key: str, default):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    """Exit 0, or 2 with one line on stderr for bad input (nothing written)."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"profile: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: list[str]) -> int:
     steps, top, out = _pop(args, "profile.steps", 20), _pop(args, "profile.top", 25), _pop(args, "profile.out", "")
     phases = _pop(args, "profile.phases", "loader,augment,step").split(",")
-    from resmlp.core.config import load_config
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    knn_sizes = _pop(args, "profile.knn", "gpu" if device.type == "cuda" else "cpu")
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        raise UserError(f"profile.phases: {','.join(unknown)} is not one of {', '.join(PHASES)}")
+    from resmlp.core.config import choices, load_config
+    profiles = [p for p in choices("bench.profile") if p != "auto"]   # those with knn sizes
+    if knn_sizes not in profiles:
+        raise UserError(f"profile.knn={knn_sizes} is not one of {', '.join(profiles)} (the bench profiles)")
     from resmlp.data.crop_plan import crop_plan
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = "bf16" if device.type == "cuda" else "fp32"
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
-    report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch,
-                         "crops": plan.label(), "compile": bool(cfg.compile), "precision": precision},
+    step_phases = {"loader", "augment", "step"} & set(phases)
+    report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch, "crops": plan.label(),
+                         "compile": bool(cfg.compile), "precision": precision} if step_phases else None,
               "phases": {}}
 
     def record(name, seconds):
         report["phases"][name] = {"ms": 1e3 * seconds, "images_per_s": batch / seconds}
         print(f"{name:28s} {1e3 * seconds:9.2f} ms  {batch / seconds:10.0f} img/s", flush=True)
 
-    sources = _time_loader(cfg, plan, device, steps, record) if "loader" in phases else _random_sources(cfg, batch)
-    images, sizes, keys = (x.to(device) for x in sources)
+    if step_phases:
+        sources = _time_loader(cfg, plan, device, steps, record) if "loader" in phases else _random_sources(cfg, batch)
+        images, sizes, keys = (x.to(device) for x in sources)
     compiles = sorted({False, bool(cfg.compile)})
     for comp in compiles if "augment" in phases else ():
         _time_augment(cfg, plan, device, precision, comp, (images, sizes, keys), steps, record)
@@ -66,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         kernels = _time_step(cfg, plan, device, precision, comp, steps, top, record)
         if kernels is not None:
             report[f"kernels_{'compiled' if comp else 'eager'}"] = kernels
+    if "knn" in phases:
+        report["knn"], kernels = _time_knn(knn_sizes, device, steps, top)
+        if kernels is not None:
+            report["kernels_knn"] = kernels
 
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -130,6 +165,55 @@ def _time_step(cfg, plan, device, precision: str, comp: bool, steps: int, top: i
     step = None
     torch._dynamo.reset()
     return kernels
+
+
+def _time_knn(sizes: str, device, steps: int, top: int) -> tuple[dict, dict | None]:
+    """The bench's device k-NN (bench profile `sizes`' knn settings, its features already on
+    the device, eval/knn.py's knn_classify as the bench's line calls it): timed whole, then one
+    call by phase (PhaseClock; its votes checked equal to an untimed call's), then on a GPU one
+    call profiled. Returns (its figures, the top kernels or None)."""
+    from resmlp.bench import rows as R
+    from resmlp.core.config import load_config
+    from resmlp.eval import knn as K
+    from resmlp.eval import knn_search as S
+    k = load_config("bench", "resmlp_s12", [f"bench.profile={sizes}"]).bench[sizes].knn
+    train, train_y, test, test_y, classes = R.knn_features(k)
+    n = test.shape[0] if device.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
+    reset_memory(device)
+    train, test = train.to(device), test[:n].to(device)
+    scores = {}
+
+    def run(bank=train, labels=train_y, queries=test, key="plain"):
+        scores[key] = K.knn_classify(bank, labels, queries, classes, k=int(k.k), temperature=0.07,
+                                     backend="torch", device=device)
+    run(train[:4096], train_y[:4096], test[:8], "warm-up")   # the libraries, as the bench's line warms up
+    t = measure(run, device, warmup=1, calls=1, repeats=max(1, steps))   # first_s: the first call at full size
+    clock = PhaseClock(device)
+    sync(device)
+    t0 = time.perf_counter()
+    with S.timed_phases(clock):
+        run(key="phased")
+    sync(device)
+    wall = time.perf_counter() - t0
+    spans = clock.read()
+    out = {"sizes": sizes, "n_train": int(k.n_train), "dim": int(k.dim), "queries": n, "k": int(k.k),
+           "device": device.type,
+           "pass_dtype": str(S._TorchSearch.DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
+           "first_s": t.first_s, "seconds": t.seconds, "repeats": t.repeats, "phased_s": wall,
+           "same_votes": bool(torch.equal(scores["plain"], scores["phased"])),
+           "top1": float((scores["plain"].argmax(1) == test_y[:n]).float().mean() * 100),
+           "rounds": clock.notes, "phases": spans, "mem_gb": peak_memory_gb(device)}
+    print(f"knn {out['n_train']} x {out['dim']}, {n} queries, k={out['k']}, {out['pass_dtype']} pass on "
+          f"{device.type}: first call {t.first_s:.3f} s, then {t.seconds:.3f} s (median of {len(t.repeats)}), "
+          f"with its phases timed {wall:.3f} s, top-1 {out['top1']:.1f}%", flush=True)
+    print("  rounds: " + "; ".join(f"{r['queries']} queries at {r['candidates']} candidates" for r in clock.notes))
+    print(f"  {'phase':30s} {'calls':>6s} {'device ms':>10s} {'host ms':>10s}")
+    for name, v in spans.items():
+        print(f"  {name:30s} {v['calls']:6d} {v['device_ms']:10.2f} {v['host_ms']:10.2f}")
+    device_ms = sum(v["device_ms"] for v in spans.values())
+    print(f"  {'sum':30s} {'':6s} {device_ms:10.2f}   (the call's wall {1e3 * wall:.2f} ms)", flush=True)
+    kernels = _profile(run, device, top, calls=1) if device.type == "cuda" else None
+    return out, kernels
 
 
 def _profile(fn, device, top: int, calls: int = 5) -> dict:

@@ -163,11 +163,8 @@ def step_fields(t, batch: int, n_crops: int, flops: int | None, peak: float | No
 def peak_family(ctx) -> None:
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     size = int(ctx.p.matmul_size)
-
-    def fn():
-        reset_memory(ctx.device)
-        return matmul_rate(ctx.device, size, dtype)
-    row = ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size}, fn)
+    row = ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size},
+                      lambda: matmul_rate(ctx.device, size, dtype))
     ctx.peak_tflops = row.get("tflops")  # also when an earlier run measured it
 
 
@@ -251,7 +248,6 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
 def _step_inputs(ctx, model, strategy, batch: int, fused: bool = False):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
     from resmlp.data.crop_plan import crop_plan
-    reset_memory(ctx.device)
     cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}", f"model.fused={str(fused).lower()}"])
     plan = crop_plan(cfg)
     return cfg, plan, synthetic_crops(plan, batch, ctx.device)
@@ -522,7 +518,6 @@ def _inference_net(ctx, cfg, dims, kind: str, fold: bool):
 def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
     """Eager inference of several networks, timed with alternating repeats: {name: fields}."""
     q, dev = ctx.p.inference, ctx.device
-    reset_memory(dev)
     x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=AMP_DTYPES[str(q.dtype)])
     nets = {name: _inference_net(ctx, cfg, dims, kind, fold) for name, (kind, fold) in variants.items()}
 
@@ -541,7 +536,6 @@ def _infer_together(ctx, cfg, dims, variants: dict) -> dict:
 def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
     q, dev = ctx.p.inference, ctx.device
     dtype = AMP_DTYPES[str(q.dtype)]
-    reset_memory(dev)
     net = _inference_net(ctx, cfg, dims, kind, fold)
     fwd = torch.compile(net) if comp else net
     x = torch.randn(int(q.batch_size), 3, dims["img"], dims["img"], device=dev, dtype=dtype)
@@ -561,23 +555,30 @@ def _infer(ctx, cfg, dims, kind: str, fold: bool, comp: bool) -> dict:
 
 def knn_family(ctx) -> None:
     k = ctx.p.knn
-    n_train, n_test, dim, classes = int(k.n_train), int(k.n_test), int(k.dim), int(k.classes)
     made: list = []
 
     def data():  # made once, by the first line an earlier run did not measure
         if not made:
-            g = torch.Generator().manual_seed(0)
-            # clustered features, so that the vote has something to find (top-1 as a sanity check)
-            centroids = torch.randn(classes, dim, generator=g)
-            train_y = torch.randint(classes, (n_train,), generator=g)
-            train = torch.randn(n_train, dim, generator=g).mul_(3.0).add_(centroids[train_y])
-            test_y = torch.randint(classes, (n_test,), generator=g)
-            test = torch.randn(n_test, dim, generator=g).mul_(3.0).add_(centroids[test_y])
-            made.append((train, train_y, test, test_y, classes))
+            made.append(knn_features(k))
         return made[0]
     for backend in k.backends:
-        ident = {"backend": str(backend), "n_train": n_train, "dim": dim, "k": int(k.k)}
+        ident = {"backend": str(backend), "n_train": int(k.n_train), "dim": int(k.dim), "k": int(k.k)}
         ctx.attempt("knn", ident, lambda: _knn_one(ctx, str(backend), data()))
+
+
+def knn_features(k) -> tuple:
+    """(train, train labels, test, test labels, classes) on the CPU for a profile's `knn`
+    settings: clustered features, so that the vote has something to find (top-1 as a sanity
+    check) and the search's rounds are those of the bench's line (bench/profile.py's k-NN
+    phases search the same ones)."""
+    n_train, n_test, dim, classes = int(k.n_train), int(k.n_test), int(k.dim), int(k.classes)
+    g = torch.Generator().manual_seed(0)
+    centroids = torch.randn(classes, dim, generator=g)
+    train_y = torch.randint(classes, (n_train,), generator=g)
+    train = torch.randn(n_train, dim, generator=g).mul_(3.0).add_(centroids[train_y])
+    test_y = torch.randint(classes, (n_test,), generator=g)
+    test = torch.randn(n_test, dim, generator=g).mul_(3.0).add_(centroids[test_y])
+    return train, train_y, test, test_y, classes
 
 
 _PASS_DTYPES = {"torch-fp16": torch.float16, "torch-bf16": torch.bfloat16, "torch-fp32": torch.float32}
@@ -701,7 +702,6 @@ def _knn_pass(ctx, train, test) -> dict:
     (`maxima_s`): where the pass's time goes."""
     from resmlp.eval.knn_search import _pass_precision, _TorchSearch, first_candidates
     k, dev = ctx.p.knn, ctx.device
-    reset_memory(dev)
     n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     train, test = train.to(dev), test[:n].to(dev)
     search = _TorchSearch(train, dev)
@@ -732,7 +732,6 @@ def _knn_raw(ctx, train, test, dtype) -> dict:
     + topk in `dtype`, no exact re-ranking, no votes (what knn_search's candidate pass
     costs at best; bf16 candidates would need a wider margin before the exact re-rank)."""
     k, dev = ctx.p.knn, ctx.device
-    reset_memory(dev)
     n = test.shape[0] if dev.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     tr = torch.nn.functional.normalize(train.to(dev), dim=1).to(dtype)
     te = torch.nn.functional.normalize(test[:n].to(dev), dim=1).to(dtype)

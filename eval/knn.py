@@ -26,7 +26,7 @@ from resmlp.core import dist
 from resmlp.core.errors import UserError
 from resmlp.data.subset import make_subset
 from resmlp.eval import few_labels, memory
-from resmlp.eval.knn_search import as_tensor, backend_name, check_ks, knn_search
+from resmlp.eval.knn_search import as_tensor, backend_name, check_ks, knn_search, phase
 
 
 def check_temperature(temperature) -> float:
@@ -80,8 +80,9 @@ def knn_classify(train_features, train_labels, test_features, num_classes: int, 
     """
     temperature = check_temperature(temperature)
     sims, idx = knn_search(train_features, test_features, k, backend, chunk_size, device)
-    labels = _labels(train_labels, len(train_features), num_classes, "train labels")
-    return _vote(sims, idx, labels, num_classes, temperature)
+    with phase("vote"):
+        labels = _labels(train_labels, len(train_features), num_classes, "train labels")
+        return _vote(sims, idx, labels, num_classes, temperature)
 
 
 def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: Sequence[int] = (1, 5)) -> dict:

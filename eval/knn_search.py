@@ -33,6 +33,9 @@ is a float16 matmul (float32 sums) per tile of up to 4096 queries x tens of thou
 train columns, whose similarities are written once and read once, for block maxima
 (`_top_candidates`); the float64 re-rank gathers the candidates there; there is no host
 sync but one per round of step 3 (and the input checks); only the k neighbours come back.
+
+Where the time goes: `python -m resmlp.bench.profile profile.phases=knn` times the search's
+phases (`phase` spans, `timed_phases`); outside it they cost a function call each.
 """
 from __future__ import annotations
 
@@ -49,6 +52,34 @@ from resmlp.core.errors import UserError
 BUDGET = 512 * 2**20   # bytes one block of the search may hold (similarities, candidates, a re-rank tile)
 _MAX_CHUNK = 4096      # queries per chunk, whatever the budget allows
 _CAND_BYTES = 24       # per (query, candidate) of a pass: its search similarity and index, twice while joined
+
+
+# --------------------------------------------------------------------------- phases
+
+_clock = None   # what times the phases while bench/profile.py profiles the search (timed_phases)
+
+
+def phase(name: str):
+    """A span of the search, timed while a clock is installed (timed_phases); nothing
+    otherwise. The clock (bench/timing.py's PhaseClock) adds no host sync to the spans."""
+    return _clock.phase(name) if _clock is not None else contextlib.nullcontext()
+
+
+def _note(**fields) -> None:
+    """A fact of this call for the clock (a round's candidate count and queries)."""
+    if _clock is not None:
+        _clock.note(**fields)
+
+
+@contextlib.contextmanager
+def timed_phases(clock):
+    """The search's phases (and the vote's, eval/knn.py) timed by `clock` for the block."""
+    global _clock
+    old, _clock = _clock, clock
+    try:
+        yield clock
+    finally:
+        _clock = old
 
 
 def pair_bytes(d: int) -> int:
@@ -387,7 +418,8 @@ class _TorchSearch(_Search):
         return self.tile(kc)[0]
 
     def __call__(self, q: torch.Tensor, kc: int) -> tuple[torch.Tensor, torch.Tensor]:
-        unit, err = self.queries(q)
+        with phase("queries: norms, unit rows"):
+            unit, err = self.queries(q)
         n = self.unit.shape[0]
         rows, cols = self.tile(kc)
         last, cand = [], []
@@ -395,16 +427,19 @@ class _TorchSearch(_Search):
             for s in range(0, unit.shape[0], rows):
                 top = idx = None
                 for c in range(0, n, cols):
-                    sims = unit[s:s + rows] @ self.unit[c:c + cols].T
-                    v, i = _top_candidates(sims, min(kc, sims.shape[1]), self.BLOCK)
-                    i = i + c
-                    if top is not None:   # the running kc best: the top of a union is the top of the tops
-                        v, w = torch.cat([top, v], 1).topk(min(kc, top.shape[1] + v.shape[1]), dim=1)
-                        i = torch.cat([idx, i], 1).gather(1, w)
-                    top, idx = v, i
+                    with phase("pass: matmul"):
+                        sims = unit[s:s + rows] @ self.unit[c:c + cols].T
+                    with phase("pass: block maxima, merge"):
+                        v, i = _top_candidates(sims, min(kc, sims.shape[1]), self.BLOCK)
+                        i = i + c
+                        if top is not None:   # the running kc best: the top of a union is the top of the tops
+                            v, w = torch.cat([top, v], 1).topk(min(kc, top.shape[1] + v.shape[1]), dim=1)
+                            i = torch.cat([idx, i], 1).gather(1, w)
+                        top, idx = v, i
                 last.append(top[:, -1])
                 cand.append(idx)
-        return self.bound(torch.cat(last), err, unit.shape[1]), torch.cat(cand)
+        with phase("pass: block maxima, merge"):
+            return self.bound(torch.cat(last), err, unit.shape[1]), torch.cat(cand)
 
 
 class _FaissSearch(_Search):
@@ -526,14 +561,16 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     name, dev = resolve_backend(backend, device)
     budget = int(budget or BUDGET)
     where = dev if name == "torch" else torch.device("cpu")   # where the features are searched
-    train = _features(train_features, "train features", where)
-    test = _features(test_features, "test features", where)
+    with phase("inputs: copy, checks"):
+        train = _features(train_features, "train features", where)
+        test = _features(test_features, "test features", where)
     if train.shape[1] != test.shape[1]:
         raise UserError(f"train features have dim {train.shape[1]}, test features {test.shape[1]}: "
                         "they must come from the same backbone")
     n, d = train.shape
     k = check_ks([k], n)[0]
-    search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev, budget)
+    with phase("bank: norms, unit rows"):
+        search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev, budget)
     first = first_candidates(k, search.tolerance(d), n)
     if chunk_size is None:  # one candidate matmul per chunk: a remainder would read the train features again
         chunk_size = min(pass_rows(first, budget), search.rows_for(first))
@@ -549,23 +586,30 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     while pending.numel():
         whole = kc >= n or (search.max_k is not None and kc > search.max_k)
         per = min(chunk_size, pass_rows(kc, budget))
+        _note(candidates=n if whole else kc, queries=pending.numel(), chunk=per)
         asked, missed = [], []
         for s in range(0, pending.numel(), per):
             preempt.stop_between_batches()  # a trainer's stop signal need not wait for the whole search
-            rows = pending[s:s + per]
-            q = test[rows.to(test.device)]
+            with phase("queries: gather"):
+                rows = pending[s:s + per]
+                q = test[rows.to(test.device)]
             if whole:   # every training feature is a candidate: re-rank them all, no search
-                exact, cand = _rerank(search, q, None, k)
-            else:       # kept where the k-th is above everything the search left out
+                ceiling = cand = None
+            else:
                 ceiling, cand = search(q, kc)
-                exact, cand = _rerank(search, q, cand.to(at), k)
-                asked.append(rows)
-                missed.append(ceiling.to(at) >= exact[:, k - 1])
-            out_s.index_copy_(0, rows, exact)
-            out_i.index_copy_(0, rows, cand)
-        pending = torch.cat(asked)[torch.cat(missed)] if asked else pending[:0]
+            with phase("re-rank"):
+                exact, cand = _rerank(search, q, None if whole else cand.to(at), k)
+            with phase("check, scatter"):
+                if not whole:   # kept where the k-th is above everything the search left out
+                    asked.append(rows)
+                    missed.append(ceiling.to(at) >= exact[:, k - 1])
+                out_s.index_copy_(0, rows, exact)
+                out_i.index_copy_(0, rows, cand)
+        with phase("round's count (host sync)"):
+            pending = torch.cat(asked)[torch.cat(missed)] if asked else pending[:0]
         kc = min(n, 4 * kc)
-    return out_s.cpu(), out_i.cpu()
+    with phase("copy back"):
+        return out_s.cpu(), out_i.cpu()
 
 
 def query_neighbours(train_features, test_features, queries, k: int, backend: str = "auto",

@@ -211,6 +211,67 @@ def test_a_failing_line_is_reported_and_the_rest_go_on():
     assert "ERROR: ZeroDivisionError" in text and "SKIPPED: not installed" in text and "0.500" in text
 
 
+def test_each_line_reports_its_own_peak_memory(monkeypatch):
+    """A line's mem_gb is the peak of that line alone: the peak counter is reset before each
+    line (the knn line of 2026-11-27 read the DINO line's 57.62 GB). A fake CUDA allocator,
+    so that the reset path runs without a GPU."""
+    gb = 2**30
+    mem = {"now": 0, "peak": 0, "resets": 0}
+
+    def allocate(n_gb):   # what a line holds at its peak, freed when it ends
+        mem["peak"] = max(mem["peak"], mem["now"] + n_gb * gb)
+
+    def reset(device=None):
+        mem["peak"], mem["resets"] = mem["now"], mem["resets"] + 1
+    for name, fn in (("synchronize", lambda device=None: None), ("empty_cache", lambda: None),
+                     ("reset_peak_memory_stats", reset), ("max_memory_allocated", lambda device=None: mem["peak"])):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    ctx = Context(torch.device("cuda"), "tiny", tiny_profile(), ["resmlp_s12"], False)
+
+    def line(n_gb):
+        def fn():
+            allocate(n_gb)
+            return {"mem_gb": R.peak_memory_gb(ctx.device)}
+        return fn
+    ctx.attempt("dino", {"impl": "reference", "batch": 512}, line(57.6))
+    ctx.attempt("knn", {"backend": "torch-device"}, line(3.5))
+    ctx.attempt("knn", {"backend": "broken"}, lambda: 1 / 0)
+    ctx.attempt("knn", {"backend": "small"}, line(0.5))
+    assert [r.get("mem_gb") for r in ctx.results] == [pytest.approx(57.6), pytest.approx(3.5), None,
+                                                      pytest.approx(0.5)]
+    assert mem["resets"] >= 4   # before every line (and after the failed one)
+
+
+def test_the_knn_profile_times_the_bench_knn_by_phase(tmp_path, capsys):
+    """`python -m resmlp.bench.profile profile.phases=knn`: the bench's knn row at a bench
+    profile's sizes, timed whole and by phase, its votes unchanged by the clock; bad values
+    of its keys: one line, exit 2, nothing written."""
+    from resmlp.bench import profile
+    out = tmp_path / "prof"
+    assert profile.main(["profile.phases=knn", "profile.knn=tiny", "profile.steps=2", f"profile.out={out}"]) == 0
+    report = json.loads((out / "profile.json").read_text())
+    knn = report["knn"]
+    assert report["config"] is None and report["phases"] == {} and "kernels_knn" not in report   # no GPU here
+    assert (knn["n_train"], knn["dim"], knn["queries"], knn["k"], knn["device"]) == (500, 16, 50, 20, "cpu")
+    assert knn["same_votes"] is True and knn["top1"] > 100 / 5 and len(knn["repeats"]) == 2
+    assert knn["rounds"][0] == {"candidates": 30, "queries": 50, "chunk": 4096}
+    assert list(knn["phases"]) == ["inputs: copy, checks", "bank: norms, unit rows", "queries: gather",
+                                   "queries: norms, unit rows", "pass: matmul", "pass: block maxima, merge",
+                                   "re-rank", "check, scatter", "round's count (host sync)", "copy back", "vote"]
+    assert 0 < sum(v["device_ms"] for v in knn["phases"].values()) <= 1e3 * knn["phased_s"]
+    printed = capsys.readouterr().out
+    assert "knn 500 x 16, 50 queries, k=20, float32 pass on cpu" in printed and "pass: matmul" in printed
+    for bad, says in (("profile.phases=knn,stp", "profile: profile.phases: stp is not one of loader, augment, "
+                                                 "step, knn"),
+                      ("profile.knn=huge", "profile: profile.knn=huge is not one of gpu, cpu, tiny")):
+        never = tmp_path / "never"
+        args = ["profile.phases=knn", bad, f"profile.out={never}"] if "knn=" in bad else [bad, f"profile.out={never}"]
+        assert profile.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(says), err
+        assert not never.exists()
+
+
 def test_lines_needing_an_absent_package_are_skipped(monkeypatch):
     """The GPU image lacks lightly and faiss: their lines say SKIPPED, not ERROR."""
     monkeypatch.setitem(__import__("sys").modules, "lightly", None)

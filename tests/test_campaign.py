@@ -165,8 +165,9 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert any(re.match(r"campaign: preset: needs \d+ s .*not started in this window$", line) for line in lines2)
     assert any(line.startswith("campaign: bench_fused starts (run 1)") for line in lines2)
     if st2["bench_fused"]["status"] == "done":  # then the profiles were weighed too
-        assert verdicts["profile_preset"] == verdicts["profile_224"] == "window"
-    assert not s2["call_again"] and {"preset", "profile_preset", "profile_224"} <= set(s2["left_for_another_window"])
+        assert verdicts["profile_knn"] == verdicts["profile_preset"] == verdicts["profile_224"] == "window"
+    assert not s2["call_again"]
+    assert {"preset", "profile_knn", "profile_preset", "profile_224"} <= set(s2["left_for_another_window"])
     assert "left for another window: " in "\n".join(lines2)
 
     # call 3, the next window's first, on a fresh machine with call 2's report: the rest
@@ -213,6 +214,10 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert st3["profile_preset"]["profile"]["config"]["crops"] == "2x32+2x16"
     assert st3["profile_224"]["profile"]["config"]["crops"] == "2x64+2x32"
     assert all("step eager" in st3[n]["profile"]["phases"] for n in ("profile_preset", "profile_224"))
+    # and the device k-NN's phases at the tiny bench profile's sizes (here on the CPU)
+    knn = st3["profile_knn"]["profile"]["knn"]
+    assert (knn["n_train"], knn["queries"], knn["same_votes"]) == (500, 50, True)
+    assert {"pass: matmul", "pass: block maxima, merge", "re-rank", "vote"} <= set(knn["phases"])
 
 
 # --------------------------------------------------------------------------- the stages and their time
@@ -220,14 +225,16 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     cfg = load_config("campaign", None, [*TINY, f"out={tmp_path}"])
     p, stages = plan(cfg, tmp_path)
-    assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_preset", "profile_224", "bench"]
+    assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_knn", "profile_preset",
+                                        "profile_224", "bench"]
     gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
     p, stages = plan(gpu, tmp_path)
     assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
     assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
     assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
-                      (["campaign.stages=[preset,viz]"], "one of tests, preset, bench_fused, profile_preset"),
+                      (["campaign.stages=[preset,viz]"], "one of tests, preset, bench_fused, profile_knn, "
+                                                         "profile_preset"),
                       (["campaign.call_s=200"], "no time for the bench stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
@@ -242,6 +249,8 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     assert by["profile_preset"].argv[:2] == ["-m", "resmlp.bench.profile"]
     assert by["profile_preset"].argv[2:6] == ["demo=false", "device=cuda", "compile=true", "ckpt_epochs=10"]
     assert "data.img_size=224" in by["profile_224"].argv
+    assert by["profile_knn"].argv[2:4] == ["profile.phases=knn", "profile.knn=gpu"]
+    assert by["profile_knn"].min_start_s == 60
     assert by["profile_224"].argv[-1] == f"profile.out={tmp_path / 'profile_224'}"
 
 
@@ -313,11 +322,12 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
     assert need == pytest.approx(15 + 88 + 30 * 59904 / 6600 + 2 * 4 + 30, abs=0.1)
     assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
     # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
-    # 294 - 40 - 20 - 6 - 30 = 198 s: bench_fused (120 s), the profiles (120 s) and the bench (180 s) fit it
+    # 294 - 40 - 20 - 6 - 30 = 198 s: bench_fused (120 s), the profiles (60 and 120 s) and the bench (180 s) fit it
     clock.now = first.started + 546
-    assert [s.name for s in first.left_for_later()] == ["bench_fused", "profile_preset", "profile_224", "bench"]
+    assert [s.name for s in first.left_for_later()] == ["bench_fused", "profile_knn", "profile_preset", "profile_224",
+                                                        "bench"]
     assert first.exit_code() == 75
-    clock.now = first.started + 650  # 840 - 650 - 96 = 94 s: nothing fits; the preset needs another window
+    clock.now = first.started + 700  # 840 - 700 - 96 = 44 s: nothing fits; the preset needs another window
     assert first.left_for_later() == [] and first.exit_code() == 0
 
 
@@ -379,6 +389,20 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
     again = ProfileStage("profile_preset", [], fresh / "profile_preset", 120)
     again.take(S.read_state(fresh)["stages"]["profile_preset"])
     assert again.profile == stage.profile and again.status == "done"
+    # the k-NN's profile: its figures whole (a few lines), its top kernels short, its largest phases in the line
+    knn = {"seconds": 0.8, "first_s": 1.9, "phased_s": 0.81, "rounds": [{"candidates": 40, "queries": 50000}],
+           "phases": {"pass: matmul": {"calls": 377, "device_ms": 120.0, "host_ms": 9.0},
+                      "re-rank": {"calls": 13, "device_ms": 30.0, "host_ms": 2.0},
+                      "pass: block maxima, merge": {"calls": 390, "device_ms": 500.0, "host_ms": 30.0},
+                      "vote": {"calls": 1, "device_ms": 0.1, "host_ms": 6.0}}}
+    (tmp_path / "profile.json").write_text(json.dumps({"config": None, "phases": {}, "knn": knn,
+                                                       "kernels_knn": profile["kernels_compiled"]}))
+    stage = ProfileStage("profile_knn", [], tmp_path, 60, status="done")
+    stage.profile = profile_figures(tmp_path / "profile.json")
+    assert stage.profile["knn"] == knn and len(stage.profile["kernels_knn"]["top"]) == PROFILE_TOP
+    line = stage.describe()
+    assert ("k-NN 0.800 s (first call 1.900 s, by phase 0.810 s: pass: block maxima, merge 500 ms, pass: matmul "
+            "120 ms, re-rank 30 ms)") in line and "knn: device busy 38.1 of 40.2 ms per call" in line
 
 
 def test_a_stage_left_out_of_campaign_stages_keeps_its_files_in_the_report(tmp_path):

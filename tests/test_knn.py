@@ -166,6 +166,41 @@ def test_the_gpus_half_precision_candidate_pass_keeps_the_neighbours_exact(monke
     assert not torch.equal(knn_search(ties, queries, 20, backend="torch", device="cpu")[1], want_ties[1])
 
 
+def test_the_phase_clock_times_every_tile_and_round_and_changes_nothing(monkeypatch):
+    """bench/profile.py's k-NN phases: with a PhaseClock installed (knn_search.timed_phases)
+    every tile's matmul and its block maxima and merge are spans, each round is noted with its
+    queries and candidates (near ties under float16: a wider round), the vote is a span, and
+    the scores are those of a call without the clock; none is left installed after it."""
+    import math
+
+    from resmlp.bench.timing import PhaseClock
+    ties, queries = near_tie_features()
+    n = len(ties)
+    labels = torch.arange(n) % 7
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
+    monkeypatch.setattr(S._TorchSearch, "tile", lambda self, kc: (5, 700))
+    want = knn_classify(ties, labels, queries, 7, k=20, backend="torch", device="cpu")
+    clock = PhaseClock(torch.device("cpu"))
+    with S.timed_phases(clock):
+        got = knn_classify(ties, labels, queries, 7, k=20, backend="torch", device="cpu")
+    assert S._clock is None and torch.equal(got, want)
+    rounds, spans = clock.notes, clock.read()
+    assert rounds[0]["queries"] == len(queries) and len(rounds) >= 2
+    assert all(b["candidates"] == min(n, 4 * a["candidates"]) and b["queries"] <= a["queries"]
+               for a, b in zip(rounds, rounds[1:]))
+    searched = [r for r in rounds if r["candidates"] < n]
+    chunks = sum(math.ceil(r["queries"] / r["chunk"]) for r in rounds)
+    calls = sum(math.ceil(r["queries"] / r["chunk"]) for r in searched)     # one tile row per call: 5 queries
+    assert spans["pass: matmul"]["calls"] == calls * math.ceil(n / 700)
+    assert spans["pass: block maxima, merge"]["calls"] == calls * (math.ceil(n / 700) + 1)   # + the ceiling
+    assert spans["queries: norms, unit rows"]["calls"] == calls
+    assert spans["re-rank"]["calls"] == spans["check, scatter"]["calls"] == chunks
+    assert spans["round's count (host sync)"]["calls"] == len(rounds)
+    for name in ("inputs: copy, checks", "bank: norms, unit rows", "copy back", "vote"):
+        assert spans[name]["calls"] == 1, name
+    assert all(v["device_ms"] == v["host_ms"] >= 0 for v in spans.values())   # a CPU: the host's clock
+
+
 def bound_holds(dtype, device):
     """`bound` of each pass value is at least the exact float64 cosine, for every pair of
     clustered, near-tie and wide-dynamic-range features, with the matmul the pass runs on
@@ -564,6 +599,13 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
     assert any(blocks > k and where == torch.device(device).type for blocks, k, where in seen)  # block maxima
     assert torch.equal(got_i, want_i)
     torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
+    from resmlp.bench.timing import PhaseClock
+    clock = PhaseClock(torch.device(device))   # bench/profile.py's phases: no host sync added, the same answer
+    with S.timed_phases(clock):
+        timed = knn_search(xtr.to(device), xte.to(device), 20, backend="torch", device=device)
+    assert not syncs, syncs[:3]
+    assert torch.equal(timed[1], got_i) and torch.equal(timed[0], got_s)
+    assert clock.read()["pass: matmul"]["calls"] == len(seen) // 2 > 0   # seen: both searches' tiles
 
     tr, te = (torch.from_numpy(x) for x in collapsed_features(n, 64, d))
     want_s, want_i = knn_search(tr, te, 20, backend="torch", device="cpu", budget=budget)

@@ -82,6 +82,11 @@ class ProfileStage(Stage):
         if not prof:
             return []
         parts = [f"{name} {v['ms']:.1f} ms ({v['images_per_s']:.0f} img/s)" for name, v in prof["phases"].items()]
+        knn = prof.get("knn")
+        if knn:
+            big = sorted(knn["phases"].items(), key=lambda kv: -kv[1]["device_ms"])[:3]
+            parts.append(f"k-NN {knn['seconds']:.3f} s (first call {knn['first_s']:.3f} s, by phase "
+                         f"{knn['phased_s']:.3f} s: " + ", ".join(f"{n} {v['device_ms']:.0f} ms" for n, v in big) + ")")
         for key in (k for k in prof if k.startswith("kernels_")):
             k, top = prof[key], prof[key]["top"][:1]
             parts.append(f"{key[8:]}: device busy {k['busy_ms']:.1f} of {k['wall_ms']:.1f} ms per call, "
@@ -91,12 +96,15 @@ class ProfileStage(Stage):
 
 
 def profile_figures(path: Path) -> dict | None:
-    """bench/profile.py's profile.json, short: its config, the time of each phase, and per
-    profiled step the wall and device-busy time per call, the launches and the top kernels."""
+    """bench/profile.py's profile.json, short: its config, the time of each phase, the k-NN's
+    figures where it ran, and per profiled step (or k-NN) the wall and device-busy time per
+    call, the launches and the top kernels."""
     if not path.is_file():
         return None
     r = json.loads(path.read_text())
     out = {"config": r.get("config"), "phases": r.get("phases", {})}
+    if "knn" in r:   # its phases, rounds and timings: a few lines
+        out["knn"] = r["knn"]
     for key in sorted(k for k in r if k.startswith("kernels_")):
         k = r[key]
         out[key] = {**{f: round(k[f], 3) for f in ("wall_ms", "busy_ms", "kernels_per_call")},

@@ -7,6 +7,7 @@ one is (stages.py) and with what keys from the profile's settings
   bench_fused     the bench lines of the goals first: the fused step (compiled, with and
                   without graphs, at batch 64 and the largest batch) beside the reference
                   loop, and the device k-NN
+  profile_knn     bench/profile.py's k-NN phases at the bench's sizes: where that k-NN's time goes
   profile_preset  bench/profile.py on the preset's (fused) step: time per phase, top kernels
   profile_224     the same on the 224 px step
   bench           the rest of the bench, in the same bench.json (no line measured twice)
@@ -82,6 +83,7 @@ def table(cfg, campaign_dir: Path) -> tuple[dict, dict]:
                                       d / n, float(p["min_start_s"][n])),
         "preset": lambda n: training(PresetStage, n, preset, graph_tests=str(p["graph_tests"]), user_overrides=mine),
         "bench_fused": lambda n: bench(n, keys["bench_fused"]),
+        "profile_knn": lambda n: profile(n, keys["profile_knn"]),
         # the preset's own step (its model, crops and batch) and the 224 px one, each profiled
         "profile_preset": lambda n: profile(n, [*keys["preset"], *mine, *keys["profile_preset"]]),
         "profile_224": lambda n: profile(n, keys["profile_224"]),
