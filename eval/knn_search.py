@@ -549,10 +549,11 @@ def first_candidates(k: int, tol: float, n: int) -> int:
 
 def knn_search(train_features, test_features, k: int, backend: str = "auto",
                chunk_size: int | None = None, device=None,
-               budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: int | None = None, on_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The k nearest training features (cosine) of every test feature.
 
-    Returns (similarities float64, indices int64), CPU tensors of shape (n_test, k),
+    Returns (similarities float64, indices int64), CPU tensors of shape (n_test, k)
+    (on_host=False: on the device the search ran on),
     each row sorted by (-similarity, train index); features are L2-normalised inside.
     chunk_size: queries per chunk (default: what fits the memory budget); the result
     does not depend on it. device: where the search runs (default: the GPU if any).
@@ -608,6 +609,8 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
         with phase("round's count (host sync)"):
             pending = torch.cat(asked)[torch.cat(missed)] if asked else pending[:0]
         kc = min(n, 4 * kc)
+    if not on_host:
+        return out_s, out_i
     with phase("copy back"):
         return out_s.cpu(), out_i.cpu()
 

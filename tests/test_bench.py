@@ -257,7 +257,7 @@ def test_the_knn_profile_times_the_bench_knn_by_phase(tmp_path, capsys):
     assert knn["rounds"][0] == {"candidates": 30, "queries": 50, "chunk": 4096}
     assert list(knn["phases"]) == ["inputs: copy, checks", "bank: norms, unit rows", "queries: gather",
                                    "queries: norms, unit rows", "pass: matmul", "pass: block maxima, merge",
-                                   "re-rank", "check, scatter", "round's count (host sync)", "copy back", "vote"]
+                                   "re-rank", "check, scatter", "round's count (host sync)", "vote", "copy back"]
     assert 0 < sum(v["device_ms"] for v in knn["phases"].values()) <= 1e3 * knn["phased_s"]
     printed = capsys.readouterr().out
     assert "knn 500 x 16, 50 queries, k=20, float32 pass on cpu" in printed and "pass: matmul" in printed
