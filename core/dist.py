@@ -16,7 +16,7 @@ import torch.distributed as dist
 from resmlp.core.config import check_choice
 from resmlp.core.errors import Preempted, UserError
 
-_host_group = None  # a gloo group beside NCCL's, for host-side flags (any_rank)
+_host_group = None  # a gloo group beside NCCL's, for host-side flags (any_ranks)
 
 
 def is_dist() -> bool:
@@ -137,14 +137,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on any; a host-side collective that does not
-    wait for the GPU."""
+def any_ranks(*flags: bool) -> list[bool]:
+    """Each flag, true on every rank when it is true on any: all of them in one host-side
+    all-reduce (a sync point across ranks that does not wait for the GPU); every rank passes
+    as many flags, in the same order."""
     if not is_dist():
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
+        return [bool(f) for f in flags]
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_host_group)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:

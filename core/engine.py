@@ -12,6 +12,8 @@ their own loop, which they write top to bottom with the shared pieces:
         if cadence.log_due(it): values = cadence.read(it)        # the sync point
         if cadence.checkpoint_due(it): cadence.checkpoint(it)
         cadence.after_iteration(it)       # a SIGTERM / SIGUSR1 stops the run here, saved
+    (the ranks agree on a stop and on a log line due by time in one host-side all-reduce
+    per iteration, asked by log_due or after_iteration, whichever needs it first)
     at each epoch end: cadence.checkpoint(it)
 """
 from __future__ import annotations
@@ -566,8 +568,8 @@ class Cadence:
     log lines after the run's first iteration (as DINO's and timm's loops log their first:
     the run shows it trains as soon as its step is compiled), every cfg.log_every
     iterations and at the last one, and after any iteration that ends cfg.log_every_s
-    seconds or more after the last line (slow steps still show progress; the ranks agree by
-    a host-side all-reduce, as for a stop signal); extra checkpoints every
+    seconds or more after the last line (slow steps still show progress; the ranks agree in
+    the iteration's host-side all-reduce, beside the stop signal: see agree); extra checkpoints every
     cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
     epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
@@ -603,6 +605,7 @@ class Cadence:
         self.since_log, self.epoch = Means(), Means()
         self.last_read = start_it
         self.saved_at = start_it  # the iteration the checkpoint on disk holds
+        self.agreed_at, self.stop_agreed = None, False  # the last agree(): its iteration, whether to stop
         self.kill_at = int(os.environ.get(KILL_AT_ENV, "0"))
         self.interval_started, self.images_since = time.time(), 0
         run.cadence = self  # Run.finish reports the timing
@@ -618,7 +621,16 @@ class Cadence:
             return True
         if not self.log_every_s:
             return False
-        return dist.any_rank(self.clock() - self.logged_at >= self.log_every_s)  # every rank logs, or none
+        return self.agree(it, late=self.clock() - self.logged_at >= self.log_every_s)  # every rank logs, or none
+
+    def agree(self, it: int, late: bool = False) -> bool:
+        """The iteration's one host-side all-reduce (a sync point across ranks; none in a
+        single process): whether any rank received a stop signal, kept as iteration `it`'s
+        answer for after_iteration, and whether any rank is `late` for a log line, returned.
+        log_due asks it when its clock decides, else after_iteration does: one per iteration."""
+        self.stop_agreed, late = dist.any_ranks(preempt.requested(), late)
+        self.agreed_at = it
+        return late
 
     def checkpoint_due(self, it: int) -> bool:
         """A mid-epoch checkpoint (epoch ends always save)."""
@@ -729,13 +741,16 @@ class Cadence:
         # checkpoint(it) has just asked; at an epoch's end the trainer's epoch-end checkpoint
         # asks, after the epoch's evaluation, which a stop here would skip for good
         if self.saved_at != it and it % self.ipe:
-            self.stop_if_signalled(it)
+            self.stop_if_signalled(it, fresh=False)
 
-    def stop_if_signalled(self, it: int) -> None:
+    def stop_if_signalled(self, it: int, fresh: bool = True) -> None:
         """If any rank received SIGTERM / SIGUSR1: every rank stops after iteration `it`
-        with a checkpoint of it (one tiny host-side all-reduce; every rank calls this at the
-        same iterations)."""
-        if not preempt.agreed():
+        with a checkpoint of it (every rank calls this at the same iterations). fresh=False
+        takes this iteration's agree() if log_due asked it; a checkpoint asks anew, since a
+        signal may have come during its write or the epoch's evaluation."""
+        if fresh or self.agreed_at != it:
+            self.agree(it)
+        if not self.stop_agreed:
             return
         if self.saved_at != it:
             self._save(it)

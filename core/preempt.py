@@ -2,10 +2,11 @@
 training run at an iteration boundary with its state saved, instead of losing the work
 since the last checkpoint.
 
-The handler only sets a flag; the training loop asks `agreed()` once per iteration (and
-after each checkpoint), which all-reduces the flag so that every rank stops at the same
-iteration, even when the signal reached only some of them. Cadence (core/engine.py) then
-saves a checkpoint at that iteration and raises `Preempted` (core/errors.py); the CLI
+The handler only sets a flag (`requested()`); the training loop's Cadence (core/engine.py)
+all-reduces it once per iteration, in the one host-side all-reduce that also carries its
+log-by-time check (and again after each checkpoint), so that every rank stops at the same
+iteration, even when the signal reached only some of them. Cadence then saves a
+checkpoint at that iteration and raises `Preempted` (core/errors.py); the CLI
 prints one line and exits with PREEMPTED_EXIT, and `resume=auto` continues from the saved
 iteration.
 
@@ -138,16 +139,10 @@ def stop_between_batches() -> None:
     when this process received a stop signal (within a trainer's evaluation: since it
     began), so that a long k-NN does not hold the stop back for minutes. One process only:
     several must agree where they stop, which they do at the trainer's iteration boundaries
-    (agreed())."""
+    (Cadence)."""
     from resmlp.core import dist
     if requested() and len(_received) > _evaluation_from[0] and dist.world_size() == 1:
         raise StopInEvaluation(received())
-
-
-def agreed() -> bool:
-    """Whether any rank received a stop signal: every rank must call it at the same point."""
-    from resmlp.core import dist  # here: the campaign's orchestrator watches signals without torch
-    return dist.any_rank(requested())
 
 
 def shield_worker(_worker_id: int = 0) -> None:

@@ -100,6 +100,8 @@ def train(cfg, hooks: DinoHooks | None = None):
             it += 1
             cadence.count(cfg.batch_size)
 
+            # <- sync point across ranks, on the host, once per iteration (Cadence.agree): log_due asks
+            #    when its clock decides, else after_iteration; a stop signal on any rank stops all there
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 record = {**cadence.log_record(it), **sched.record(it - 1)}
                 log_line(run, record, bar, f"ep {epoch + 1}/{E} it {it}/{E * ipe} ", collapse)

@@ -272,6 +272,8 @@ def train(cfg):
             step(images.to(device, non_blocking=True), labels.to(device, non_blocking=True), lr_sched[it], it)
             it += 1
             cadence.count(cfg.batch_size)
+            # <- sync point across ranks, on the host, once per iteration (Cadence.agree): log_due asks
+            #    when its clock decides, else after_iteration; a stop signal on any rank stops all there
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 log_line(run, {**cadence.log_record(it), "lr": lr_sched[it - 1]}, bar,
                          f"ep {epoch + 1}/{E} it {it}/{E * ipe}")

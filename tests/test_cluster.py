@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -177,6 +178,114 @@ def test_two_processes_stop_together_when_one_is_signalled_and_resume_to_the_sam
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"iteration {stopped_at})" in resumed.stdout
     assert_same_weights(weights(tmp_path / "whole"), weights(out))
+
+
+# ---- the ranks agree on a stop and on a log line by time in one host all-reduce per iteration ----------
+# The loop below is the trainers' (ssl/train.py, supervised/train.py) on a Cadence with no network:
+# 2 epochs of 6 iterations, mid-epoch checkpoints at 4 and 8, log lines by count only at 1 and 12,
+# and a line by time (log_every_s=20) that only rank 1's slow clock (7 s an iteration) calls for.
+AGREE_CFG = {"epochs": 2, "log_every": 1000, "log_every_s": 20, "ckpt_every": 4, "eval_every": 0}
+# Host all-reduces at each iteration: one; a checkpoint asks again after its write (4, 8 and the
+# epoch ends 6, 12), where a signal may have come; 12 logs by count, so only its checkpoint asks.
+ASKS = {1: 1, 2: 1, 3: 1, 4: 2, 5: 1, 6: 2, 7: 1, 8: 2, 9: 1, 10: 1, 11: 1, 12: 1}
+TIMED_LINES = [1, 4, 7, 10, 12]
+
+
+def _agreeing_loop(rank: int, out_dir: str, signal_before: int = 0, signal_in_save: int = 0, slow: bool = False) -> dict:
+    """The trainers' loop on rank `rank`; a `slow` rank's clock calls for lines by time, and it
+    gets SIGTERM before iteration `signal_before`'s log_due, or during the write of iteration
+    `signal_in_save`'s checkpoint. Counts the host-side all-reduces per iteration (those over
+    core.dist's host group; in a single process, any)."""
+    import torch.distributed as tdist
+    from omegaconf import OmegaConf
+
+    from resmlp.core import dist, preempt
+    from resmlp.core.engine import Cadence
+    from resmlp.core.errors import Preempted
+    at, asks, logged, saved = [0], {}, [], []
+    real = tdist.all_reduce
+
+    def counting(t, *args, group=None, **kwargs):
+        if group is dist._host_group:  # the host flags' group (the device tally's reads go over the default one)
+            asks[at[0]] = asks.get(at[0], 0) + 1
+        return real(t, *args, group=group, **kwargs)
+    tdist.all_reduce = counting
+
+    def save(state):
+        saved.append(state["iteration"])
+        if slow and state["iteration"] == signal_in_save:
+            signal.raise_signal(signal.SIGTERM)
+
+    run = SimpleNamespace(cfg=OmegaConf.create(AGREE_CFG), started=0.0, dir=Path(out_dir), is_main=rank == 0,
+                          memory_mb=dict, save=save)
+    stopped, now = None, [0.0]
+    try:
+        with preempt.watch():
+            cadence = Cadence(run, iterations_per_epoch=6, start_it=0, results={}, state={})
+            cadence.clock, cadence.logged_at = (lambda: now[0]), 0.0
+            for _epoch in range(2):
+                for _batch in range(6):
+                    cadence.tally.add(torch.tensor(1.0))
+                    at[0] += 1
+                    it = at[0]
+                    cadence.count(1)
+                    now[0] += 7.0 if slow else 0.0
+                    if slow and it == signal_before:
+                        signal.raise_signal(signal.SIGTERM)
+                    if cadence.log_due(it):
+                        cadence.log_record(it)
+                        logged.append(it)
+                    if cadence.checkpoint_due(it):
+                        cadence.checkpoint(it)
+                    cadence.after_iteration(it)
+                cadence.read(it)
+                cadence.checkpoint(it)
+    except Preempted as e:
+        stopped = [at[0], str(e)]
+    finally:
+        tdist.all_reduce = real
+    return {"asks": {str(k): v for k, v in asks.items()}, "logged": logged, "saved": saved, "stopped": stopped}
+
+
+def _agreeing_rank(rank: int, store: str, out_dir: str, signal_before: int, signal_in_save: int) -> None:
+    import torch.distributed as tdist
+
+    from resmlp.core import dist
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist._host_group = tdist.new_group(backend="gloo")  # the group dist.setup makes beside NCCL
+    with dist.leaving():
+        seen = _agreeing_loop(rank, out_dir, signal_before, signal_in_save, slow=rank == 1)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.parametrize("signal_before,signal_in_save,stop,saves", [
+    (0, 0, None, [4, 6, 8, 12]),  # no signal: the whole run
+    (9, 0, 9, [4, 6, 8, 9]),      # mid-epoch: the iteration's one all-reduce carries it
+    (0, 4, 4, [4]),               # during a checkpoint's write: its own ask stops there, no second write
+    (6, 0, 6, [4, 6]),            # at an epoch's end: after the epoch's work, at its checkpoint
+])
+def test_two_ranks_agree_on_a_stop_and_a_timed_log_line_in_one_host_all_reduce_per_iteration(
+        tmp_path, signal_before, signal_in_save, stop, saves):
+    import torch.multiprocessing as mp
+    mp.spawn(_agreeing_rank, args=(str(tmp_path / "store"), str(tmp_path), signal_before, signal_in_save),
+             nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    last = stop or 12
+    for seen in ranks:
+        assert {int(k): v for k, v in seen["asks"].items()} == {i: n for i, n in ASKS.items() if i <= last}
+        assert seen["logged"] == [i for i in TIMED_LINES if i <= last]  # rank 0 logs by rank 1's clock
+        assert seen["saved"] == saves
+        assert (seen["stopped"] or [None])[0] == stop  # every rank stops after the same iteration
+    if stop:
+        assert ranks[0]["stopped"][1].startswith(f"stopped by a stop signal to another process after iteration {stop} "
+                                                 "of 12, with a checkpoint of it")
+
+
+def test_a_single_process_agrees_with_no_all_reduce(tmp_path):
+    """A world of one: the flags are its own, no collective runs (no process group either)."""
+    seen = _agreeing_loop(0, str(tmp_path), signal_before=9, slow=True)
+    assert seen["asks"] == {} and seen["stopped"][0] == 9 and seen["saved"] == [4, 6, 8, 9]
+    assert seen["logged"] == [1, 4, 7] and seen["stopped"][1].startswith("stopped by SIGTERM after iteration 9")
 
 
 def test_run_sh_passes_the_rendezvous_or_the_master_to_torchrun(tmp_path):
