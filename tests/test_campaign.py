@@ -42,6 +42,7 @@ from resmlp.core.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["campaign.profile=tiny"]
 H100_LOG = ROOT / "docs" / "bench" / "h100-2026-11-26" / "preset_log.jsonl"
+H100_LOG_27 = ROOT / "docs" / "bench" / "h100-2026-11-27" / "preset_log.jsonl"
 
 
 # --------------------------------------------------------------------------- the rehearsal
@@ -307,19 +308,26 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
     # min(570 - 6, 840 - 88 - 40 - 20 - 6) - 30 = 534 s
     clock.now = first.started + 88
     assert first.next_call_s() == pytest.approx(534)
-    # the preset as configured (40 epochs): 15 + 88 + 40 x 59904 / 6600 + 3 x 4 + 30 = 508 s, the next call has it
-    assert first.run_stage(first.by_name["preset"], first.calls[-1]) is False
-    assert first.calls[-1]["not_started"][-1]["verdict"] == "next_call"
+    # the preset as configured (40 epochs): 15 + 52 + 40 x 59904 / 6940 + 3 x 4 + 12 = 436 s: it starts after the tests
+    need, _ = first.requirement(first.by_name["preset"])
+    assert need == pytest.approx(15 + 52 + 40 * 59904 / 6940 + 3 * 4 + 12, abs=0.1)
+    assert CS.decide(need, first.deadline - clock.now - 30, first.next_call_s()) == "start"
+    # 45 epochs: 15 + 52 + 45 x 59904 / 6940 + 4 x 4 + 12 = 483 s, more than the 452 s left: the next call has it
+    later = campaign(tmp_path / "g", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=45]")
+    later.by_name["tests"].status = "done"
+    clock.now = later.started + 88
+    assert later.run_stage(later.by_name["preset"], later.calls[-1]) is False
+    assert later.calls[-1]["not_started"][-1]["verdict"] == "next_call"
     longer = campaign(tmp_path / "e", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=100]")
     clock.now = longer.started + 88
     record = longer.calls[-1]
-    preset = longer.by_name["preset"]  # 100 epochs at the 2026-11-26 rates: about 1077 s, no call holds it
+    preset = longer.by_name["preset"]  # 100 epochs at the 2026-11-27 rates: about 978 s, no call holds it
     assert longer.run_stage(preset, record) is True and record["not_started"][-1]["verdict"] == "window"
-    assert preset.status == "pending" and preset.note.startswith("not started in call 1: needs 1077 s")
+    assert preset.status == "pending" and preset.note.startswith("not started in call 1: needs 978 s")
     short = campaign(tmp_path / "f", "campaign.window_left_s=900", "campaign.preset_overrides=[epochs=30]")
-    clock.now = short.started + 88  # 413 s: it starts
+    clock.now = short.started + 88  # 346 s: it starts
     need, _ = short.requirement(short.by_name["preset"])
-    assert need == pytest.approx(15 + 88 + 30 * 59904 / 6600 + 2 * 4 + 30, abs=0.1)
+    assert need == pytest.approx(15 + 52 + 30 * 59904 / 6940 + 2 * 4 + 12, abs=0.1)
     assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
     # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
     # 294 - 40 - 20 - 6 - 30 = 198 s: bench_fused (120 s), the profiles (60 and 120 s) and the bench (180 s) fit it
@@ -338,7 +346,11 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
     assert sched == {"epochs": 40, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
     const = predict(sched, gpu, {}, "campaign.gpu.predict")
     assert const["evaluations"] == 3  # epochs 10..30; the last epoch's is the end's
-    assert const["need_s"] == pytest.approx(15 + 88 + 40 * 59904 / 6600 + 3 * 4 + 30, abs=0.1)
+    assert const["need_s"] == pytest.approx(15 + 52 + 40 * 59904 / 6940 + 3 * 4 + 12, abs=0.1)
+    # the 2026-11-27 log, whole (40 epochs, graphed): its own terms give back the stage's 434.1 s
+    today = measured(H100_LOG_27.read_bytes(), 59904, 10)
+    assert (today["startup_s"], round(today["images_per_s"])) == (51.9, 6941)
+    assert predict(sched, gpu, today, "campaign.gpu.predict")["need_s"] == pytest.approx(434.1, rel=0.01)
     # the log the H100 wrote on 2026-11-26 (its last attempt, before call 2's restart line)
     seen = measured(H100_LOG.read_bytes(), 59904, 10)
     assert seen["attempt"] == 1 and seen["startup_s"] == 87.6
