@@ -6,6 +6,7 @@ the run directory's lock and the fallback to the previous checkpoint."""
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -84,6 +85,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The DINO trainer with each step 2.5 s longer, however fast the machine: room to press
+# Ctrl-C twice, CTRL_C_REPEAT_S apart, within one iteration, and for a signal sent once
+# iteration 1 is logged to land before the last one (the tiny run's loop ends moments after
+# its first log line: a test process scheduled a little late saw the run end unstopped).
+SLOW_STEPS = ("import sys, time\n"
+              "from resmlp.ssl import step\n"
+              "real = step.DinoStep.__call__\n"
+              "step.DinoStep.__call__ = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
+              "from resmlp.core.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+
+
+def slow_cli(*args):
+    return [sys.executable, "-c", SLOW_STEPS, *args]
+
+
+def slow_workers(folder: Path) -> str:
+    """An interpreter for torchrun's PYTHON_EXEC: its workers (`PYTHON_EXEC -u -m
+    resmlp.core.cli ARGS`) run ARGS with SLOW_STEPS."""
+    exe = folder / "slow_python"
+    exe.write_text('#!/bin/sh\n[ "$1 $2 $3" = "-u -m resmlp.core.cli" ] || { echo "slow_python: $*" >&2; exit 3; }\n'
+                   f'shift 3\nexec {shlex.quote(sys.executable)} -u -c {shlex.quote(SLOW_STEPS)} "$@"\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """The tiny DINO run, start to end: its weights are what every interrupted run must end with."""
@@ -122,7 +149,7 @@ def test_sigterm_to_every_process_of_the_run_spares_its_loader_workers(tmp_path)
     """A scheduler signals the whole process tree: a loader worker that died of it would
     take the loop down with a traceback instead of a checkpoint."""
     out = tmp_path / "tree"
-    proc = subprocess.Popen(cli(*DINO, f"out={out}", "num_workers=2"), cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(slow_cli(*DINO, f"out={out}", "num_workers=2"), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_training(proc, out)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -155,14 +182,16 @@ def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
 def test_two_processes_stop_together_when_one_is_signalled_and_resume_to_the_same_weights(tmp_path):
     """Two gloo processes: SIGUSR1 reaches rank 1 only; both stop after the same iteration,
     rank 0 saves it. The uninterrupted run starts with a fixed master (MASTER_ADDR form),
-    the interrupted and the resumed ones with torchrun's c10d rendezvous (RDZV_ENDPOINT)."""
+    the interrupted (with SLOW_STEPS) and the resumed ones with torchrun's c10d rendezvous
+    (RDZV_ENDPOINT)."""
     args = [*DINO, "device=cpu"]
     cmd, env = run_sh(*args, f"out={tmp_path / 'whole'}", NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
     whole = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out = tmp_path / "cut"
-    cmd, env = run_sh(*args, f"out={out}", NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    cmd, env = run_sh(*args, f"out={out}", NPROC_PER_NODE="2", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+                      PYTHON_EXEC=slow_workers(tmp_path))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rank1 = worker_pid(proc.pid, 1)   # run.sh execs torchrun: the workers are its children
     wait_for_training(proc, out)
@@ -403,21 +432,11 @@ def test_ctrl_c_stops_at_the_iteration_with_a_checkpoint_and_resumes(tmp_path, c
         assert_same_weights(weights(request.getfixturevalue("uninterrupted")), weights(out))
 
 
-# The DINO trainer with each step 2.5 s longer: room to press Ctrl-C twice, CTRL_C_REPEAT_S
-# apart, within one iteration, however fast the machine.
-SLOW_STEPS = ("import sys, time\n"
-              "from resmlp.ssl import step\n"
-              "real = step.DinoStep.__call__\n"
-              "step.DinoStep.__call__ = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
-              "from resmlp.core.cli import main\n"
-              "sys.exit(main(sys.argv[1:]))\n")
-
-
 @needs_fmnist
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_and_a_rerun_without_a_checkpoint_starts_a_clean_log(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_STEPS, *DINO, f"out={out}", "num_workers=2"], cwd=ROOT,
+    proc = subprocess.Popen(slow_cli(*DINO, f"out={out}", "num_workers=2"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_training(proc, out)
     ctrl_c(proc)

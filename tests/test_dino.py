@@ -2,7 +2,6 @@
 resume after a kill, and two processes against one."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -315,20 +314,16 @@ def test_killed_run_resumes_to_the_same_weights_and_log_and_a_finished_run_stays
     assert all((tmp_path / "cut" / f).read_bytes() == b for f, b in files.items())
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_fmnist
 def test_two_processes_equal_one_on_the_same_global_batch(tmp_path):
     # device=cpu (gloo): runs on any machine, a one-GPU box too (two processes need two GPUs)
     extra = ("epochs=1", "data.subset=128", "dino.freeze_last_layer=0", "device=cpu")
     one = subprocess.run(_train_cmd(tmp_path / "one", *extra), cwd=ROOT, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          f"--master_port={_free_port()}", "-m", "resmlp.core.cli", "dino", "resmlp_s12",
+    # --standalone: torchrun's store takes a free port itself (a port picked here and closed
+    # could be taken by another process before torchrun binds it)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "resmlp.core.cli", "dino", "resmlp_s12",
                           *TINY, f"out={tmp_path / 'two'}", *extra, "save_rank_weights=true"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]

@@ -3,7 +3,6 @@ teacher's targets against a plain implementation (one process and two gloo proce
 KoLeo on the student's pooled global features, and their config checks."""
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -77,17 +76,16 @@ def test_sinkhorn_loss_is_the_cross_entropy_to_its_targets():
     assert torch.allclose(got, total / n, atol=1e-5)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _sinkhorn_on_rank(rank, port, t, out_dir):
+def _join(rank: int, out_dir: str) -> None:
+    """The two processes meet through a file in the test's folder: no port to pick (one picked
+    free here and closed could be taken by another process before rank 0 binds it)."""
     import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=2)
 
+
+def _sinkhorn_on_rank(rank, t, out_dir):
     from resmlp.core.dist import leaving
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _join(rank, out_dir)
     with leaving():  # the trainers' teardown: a barrier before the group goes
         mine = t.chunk(2)[rank]
         torch.save(DinoLoss(loss_cfg("sinkhorn")).targets(mine, TEMP), os.path.join(out_dir, f"q{rank}.pt"))
@@ -125,7 +123,7 @@ def test_sinkhorn_over_two_gloo_processes_is_over_the_global_batch(tmp_path):
     computes from all of them (DINOv2 normalizes over every process's rows)."""
     torch.manual_seed(0)
     t = torch.randn(16, 40) * 0.3
-    mp.spawn(_sinkhorn_on_rank, args=(_free_port(), t, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_sinkhorn_on_rank, args=(t, str(tmp_path)), nprocs=2, join=True)
     together = torch.cat([torch.load(tmp_path / f"q{r}.pt") for r in (0, 1)])
     assert torch.allclose(together.double(), plain_sinkhorn(t, TEMP), atol=1e-6)
     alone = DinoLoss(loss_cfg("sinkhorn")).targets(t.chunk(2)[0], TEMP)
@@ -183,15 +181,13 @@ def test_koleo_is_lightlys_on_the_students_pooled_global_features():
 KOLEO = [*TINY, "dino.koleo_weight=0.5", "dino.centering=sinkhorn"]
 
 
-def _koleo_step_on_rank(rank, port, out_dir):
+def _koleo_step_on_rank(rank, out_dir):
     """One step of the trainer's DINO step (DDP over gloo) on this process's half of the batch."""
-    import torch.distributed as dist
-
     from resmlp.bench import rows as R
     from resmlp.core.dist import leaving
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _join(rank, out_dir)
     with leaving():
         cfg = load_config("dino", "resmlp_s12", KOLEO)
         plan = crop_plan(cfg)
@@ -214,7 +210,7 @@ def test_koleo_over_two_gloo_processes_is_per_process_as_in_dinov2(tmp_path):
     from resmlp.bench import rows as R
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
-    mp.spawn(_koleo_step_on_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_koleo_step_on_rank, args=(str(tmp_path),), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
 
     cfg = load_config("dino", "resmlp_s12", KOLEO)

@@ -274,11 +274,10 @@ def test_init_on_a_run_dir_with_its_own_state_says_which_to_drop(tmp_path):
 @pytest.mark.slow
 @needs_fmnist
 def test_two_processes_keep_the_warmup_and_stay_in_step(tmp_path):
-    from test_dino import _free_port
     path, _ = timm_file(tmp_path / "timm.pth")
     # device=cpu (gloo); DDP is wrapped anew when the backbone joins
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={_free_port()}", "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "resmlp.core.cli", "dino", "resmlp_s12", *TINY,
                            f"out={tmp_path / 'two'}", f"dino.init={path}", "dino.head_warmup_epochs=1", "data.subset=128",
                            "device=cpu",
                            "save_rank_weights=true"], cwd=ROOT, capture_output=True, text=True, timeout=600)
