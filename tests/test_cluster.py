@@ -85,14 +85,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The DINO trainer with each step 2.5 s longer, however fast the machine: room to press
-# Ctrl-C twice, CTRL_C_REPEAT_S apart, within one iteration, and for a signal sent once
-# iteration 1 is logged to land before the last one (the tiny run's loop ends moments after
-# its first log line: a test process scheduled a little late saw the run end unstopped).
+# Every trainer with each iteration 2.5 s longer (the Cadence every loop ends an iteration
+# with), however fast the machine: room to press Ctrl-C twice, CTRL_C_REPEAT_S apart, within
+# one iteration, and for a signal sent once iteration 1 is logged to land before the last one
+# (the tiny run's loop ends moments after its first log line: a test process scheduled a
+# little late saw the run end unstopped).
 SLOW_STEPS = ("import sys, time\n"
-              "from resmlp.ssl import step\n"
-              "real = step.DinoStep.__call__\n"
-              "step.DinoStep.__call__ = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
+              "from resmlp.core import engine\n"
+              "real = engine.Cadence.after_iteration\n"
+              "engine.Cadence.after_iteration = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
               "from resmlp.core.cli import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
 
@@ -124,7 +125,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 @needs_fmnist
 def test_sigterm_mid_epoch_saves_the_iteration_and_resumes_to_the_same_weights(tmp_path, uninterrupted):
     out = tmp_path / "cut"
-    proc = subprocess.Popen(cli(*DINO, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(slow_cli(*DINO, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     wait_for_training(proc, out)
     proc.send_signal(signal.SIGTERM)
@@ -359,7 +360,7 @@ def test_supervised_loop_stops_on_sigusr1_and_resumes_to_the_same_weights(tmp_pa
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     out = tmp_path / "cut"
-    proc = subprocess.Popen(cli(*args, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(slow_cli(*args, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     wait_for_training(proc, out)
     proc.send_signal(signal.SIGUSR1)
@@ -412,7 +413,7 @@ def test_ctrl_c_stops_at_the_iteration_with_a_checkpoint_and_resumes(tmp_path, c
     else:
         args = ["supervised", "resmlp_s12", *SUPERVISED, "num_workers=2"]
     out = tmp_path / "cut"
-    proc = subprocess.Popen(cli(*args, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(slow_cli(*args, f"out={out}"), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_training(proc, out)
     ctrl_c(proc)
