@@ -154,8 +154,10 @@ def input_changed(directory, cfg, key: str | None = None) -> tuple[str, str] | N
         was = json.loads((Path(directory) / INPUTS_NAME).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
+    if not isinstance(was, dict) or was.get("sha256") is None:   # nothing to compare: no file hashed
+        return None
     now = WeightsSpec.parse(spec).identity()
-    if not isinstance(was, dict) or now is None or was.get("sha256") in (None, now.get("sha256")):
+    if now is None or was["sha256"] == now.get("sha256"):
         return None
     return key, (f"{now['file']} as it was then (its weights changed since: sha256 {str(was['sha256'])[:12]} "
                  f"then, {now['sha256'][:12]} now)")

@@ -148,13 +148,13 @@ def finished(step: Step, sub_cfg) -> dict | None:
         more = f" and {len(diffs) - 1} more" if len(diffs) > 1 else ""
         raise UserError(other_run(step.dir.parent, f"a finished {step.key} run ({step.dir.name}/) with other settings "
                                                    f"({diffs[0]}{more})"))
-    changed = input_changed(step.dir, sub_cfg, input_key(step))
+    changed = input_changed(step.dir, sub_cfg, weights_key(step))
     if changed:
         raise UserError(other_run(step.dir.parent, f"a finished {step.key} run ({step.dir.name}/) from {changed[1]}"))
     return json.loads(res_file.read_text())
 
 
-def input_key(step: Step) -> str:
+def weights_key(step: Step) -> str:
     """The key naming the weights a path starts from: a trainer's INPUT_KEYS entry, or the
     linear probe's checkpoint= (a command that names none: a key it leaves null)."""
     return INPUT_KEYS.get(step.command, "checkpoint")
@@ -181,7 +181,7 @@ def run_step(step: Step, sub_cfg) -> dict:
                    "wall_time_s": round(time.time() - t0, 1), "device": device_name(dist.pick_device(sub_cfg.device))}
         if dist.is_main():
             save_config(sub_cfg, step.dir / "config.yaml")
-            record_inputs(step.dir, sub_cfg, input_key(step))
+            record_inputs(step.dir, sub_cfg, weights_key(step))
             (step.dir / "results.json").write_text(json.dumps(results, indent=2))
         dist.barrier()
         return results

@@ -310,7 +310,7 @@ def test_dino_init_from_a_file_rewritten_since_is_refused_finished_or_not(tmp_pa
 def test_compare_reuses_a_finished_path_only_while_its_input_holds_the_same_weights(tmp_path):
     from resmlp.core.engine import record_inputs
     from resmlp.core.errors import UserError
-    from resmlp.supervised.compare import finished, input_key, plan, sub_config
+    from resmlp.supervised.compare import finished, plan, sub_config, weights_key
     lab = labeled(tmp_path / "lab")
     cfg = load_config("compare", "resmlp_s12", [*TINY, "data=imagefolder", f"data.root={lab}",
                                                 "compare.teacher=timm:regnety_002?random", f"out={tmp_path / 'cmp'}"])
@@ -318,7 +318,7 @@ def test_compare_reuses_a_finished_path_only_while_its_input_holds_the_same_weig
     dino = dino_run(tmp_path, "cmp/dino", lab, 1)
     sub = sub_config(cfg, step)
     save_config(sub, step.dir / "config.yaml")
-    record_inputs(step.dir, sub, input_key(step))
+    record_inputs(step.dir, sub, weights_key(step))
     (step.dir / "results.json").write_text(json.dumps({"top1": 50.0}))
     assert finished(step, sub) == {"top1": 50.0}
     dino_run(tmp_path, "cmp/dino", lab, 2)                                # dino/ trained again
