@@ -54,17 +54,19 @@ def _labels(y, n: int, num_classes: int, name: str) -> torch.Tensor:
 
 def _vote(sims: torch.Tensor, idx: torch.Tensor, train_labels: torch.Tensor, num_classes: int,
           temperature: float) -> torch.Tensor:
-    """(n, C) float64 on the neighbours' device: the log of each class's vote, log sum over
-    its neighbours of exp(sim / T), -inf for a class without one. Each class's largest
-    sim / T is taken out before the exp, so every exp lies in (0, 1] and the largest is 1:
-    nothing overflows, and the sum is at least 1, so its log is accurate.
-    A neighbour's class sum runs over the neighbours of its own row that share its label (a
-    k x k mask), and one neighbour per class writes it: no atomic adds, so a GPU gives the
-    same scores every time, and the (n, C) table is written once."""
+    """(n, C) float64 on the CPU: the log of each class's vote, log sum over its neighbours
+    of exp(sim / T), -inf for a class without one. Each class's largest sim / T is taken out
+    before the exp, so every exp lies in (0, 1] and the largest is 1: nothing overflows,
+    and the sum is at least 1, so its log is accurate.
+    Computed where the neighbours are, in slices of rows whose temporaries and table stay
+    within 128 MiB of float64 on that device, each slice copied to the host table as it is
+    done. A neighbour's class sum runs over the neighbours of its own row that share its
+    label (a k x k mask), and one neighbour per class writes it: no atomic adds, so a GPU
+    gives the same scores every time, and the table is written once."""
     labels = train_labels.to(idx.device)[idx]
-    out = torch.full((idx.shape[0], num_classes), float("-inf"), dtype=torch.float64, device=idx.device)
+    out = torch.full((idx.shape[0], num_classes), float("-inf"), dtype=torch.float64)
     k = max(1, idx.shape[1])
-    rows = max(1, 2**24 // (k * k))   # the k x k temporaries stay within 128 MiB of float64
+    rows = max(1, 2**24 // max(k * k, num_classes))
     for s in range(0, idx.shape[0], rows):
         logits = sims[s:s + rows].double() / temperature
         lab = labels[s:s + rows]
@@ -72,7 +74,12 @@ def _vote(sims: torch.Tensor, idx: torch.Tensor, train_labels: torch.Tensor, num
         peak = logits.unsqueeze(1).expand(-1, k, -1).masked_fill(~same, float("-inf")).amax(2)
         total = torch.bmm(same.double(), (logits - peak).exp().unsqueeze(2)).squeeze(2)
         r, j = (~same.tril(-1).any(2)).nonzero(as_tuple=True)   # each class's first neighbour
-        out[s + r, lab[r, j]] = (peak + total.log())[r, j]
+        part = out[s:s + rows] if idx.device.type == "cpu" else torch.full(
+            (lab.shape[0], num_classes), float("-inf"), dtype=torch.float64, device=idx.device)
+        part[r, lab[r, j]] = (peak + total.log())[r, j]
+        with phase("copy back"):
+            if part.device != out.device:
+                out[s:s + rows].copy_(part)
     return out
 
 
@@ -90,11 +97,9 @@ def knn_classify(train_features, train_labels, test_features, num_classes: int, 
     """
     temperature = check_temperature(temperature)
     sims, idx = knn_search(train_features, test_features, k, backend, chunk_size, device, on_host=False)
-    with phase("vote"):   # where the search ran: the (n, C) table crosses to the host once
+    with phase("vote"):   # where the search ran: only the table crosses to the host
         labels = _labels(train_labels, len(train_features), num_classes, "train labels")
-        scores = _vote(sims, idx, labels, num_classes, temperature)
-    with phase("copy back"):
-        return scores.cpu()
+        return _vote(sims, idx, labels, num_classes, temperature)
 
 
 def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: Sequence[int] = (1, 5)) -> dict:
@@ -121,7 +126,7 @@ def knn_evaluate(train_features, train_labels, test_features, test_labels, num_c
     ks = check_ks(ks, n_train)
     sims, idx = knn_search(train_features, test_features, max(ks), backend, chunk_size, device, on_host=False)
     ytr = _labels(train_labels, n_train, num_classes, "train labels")
-    yte = _labels(test_labels, idx.shape[0], num_classes, "test labels").to(idx.device)
+    yte = _labels(test_labels, idx.shape[0], num_classes, "test labels")
     return {k: topk_correct(_vote(sims[:, :k], idx[:, :k], ytr, num_classes, temperature), yte)
             for k in ks}
 
