@@ -177,12 +177,12 @@ def placeholder(word: str) -> bool:
 def configs_of(command: str, model: str | None, data: str | None) -> tuple:
     """The command's merged config (defaults, its method, the data set's file, the recipe), as
     core/config.py builds it; a run.sh tool that is not a command of the package also holds
-    the keys of the YAML files in its tools/<command>/ folder."""
+    the keys of the YAML files under its tools/<command>/ folder."""
     try:
         cfg = load_config(command, model, [f"data={data}"] if data else [])
     except UserError:  # e.g. a data set that needs data.root: its file's keys all the same
         cfg = OmegaConf.merge(load_config(command, model, []), OmegaConf.load(CONFIG_DIR / "data" / f"{data}.yaml"))
-    tools = [] if command in cli.COMMANDS else sorted((ROOT / "tools" / command).glob("*.yaml"))
+    tools = [] if command in cli.COMMANDS else sorted((ROOT / "tools" / command).rglob("*.yaml"))
     return (cfg, *(OmegaConf.load(p) for p in tools))
 
 
