@@ -28,6 +28,8 @@ from campaign import stages as CS
 from campaign import state as S
 from campaign.bench import PROFILE_TOP, BenchStage, ProfileStage, profile_figures
 from campaign.call import REPORT_FILES, STARTED_ENV, Campaign, main
+from campaign.config import YAML
+from campaign.config import load as load_campaign
 from campaign.folder import MAX_BYTES, ReportError, write_report
 from campaign.plan import plan
 from campaign.predict import measured, predict, schedule
@@ -122,7 +124,7 @@ def report_obeys_the_limits(folder: Path, killed: bool = False) -> None:
 def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tmp_path):
     out = tmp_path / "campaign"
     reports = [tmp_path / f"report{i}" for i in (1, 2, 3)]
-    tiny = load_config("campaign", None, TINY).campaign.tiny
+    tiny = load_campaign(TINY).campaign.tiny
 
     # the window's call 1: the tests, then the preset, whose prediction fits; the tool's
     # kill of the whole group lands in its first epoch
@@ -224,11 +226,11 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
 # --------------------------------------------------------------------------- the stages and their time
 
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
-    cfg = load_config("campaign", None, [*TINY, f"out={tmp_path}"])
+    cfg = load_campaign([*TINY, f"out={tmp_path}"])
     p, stages = plan(cfg, tmp_path)
     assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_knn", "profile_preset",
                                         "profile_224", "bench"]
-    gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
+    gpu = load_campaign([f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
     p, stages = plan(gpu, tmp_path)
     assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
     assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
@@ -239,9 +241,9 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
                       (["campaign.call_s=200"], "no time for the bench stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
-            plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
+            plan(load_campaign([f"out={tmp_path}", *bad]), tmp_path)
     # the bench stages share one bench.json; the first one asks for the S12 lines of the step and the k-NN
-    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert by["bench_fused"].dir == by["bench"].dir == tmp_path / "bench"
     assert "bench.rows=[dino,knn]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
@@ -287,7 +289,7 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
     monkeypatch.delenv(STARTED_ENV, raising=False)
 
     def campaign(out, *extra):
-        c = Campaign(load_config("campaign", None, [f"out={out}", *extra]))
+        c = Campaign(load_campaign([f"out={out}", *extra]))
         c.load()
         c.calls.append({"call": 1, "setup_s": 6.0, "not_started": []})
         return c
@@ -340,7 +342,7 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
 
 
 def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
-    gpu = load_config("campaign", None, [f"out={tmp_path}"]).campaign.gpu.predict
+    gpu = load_campaign([f"out={tmp_path}"]).campaign.gpu.predict
     dino = load_config("dino", "resmlp_s12", ["demo=false"])  # the Fashion-MNIST preset
     sched = schedule(dino, 60000)
     assert sched == {"epochs": 40, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
@@ -374,7 +376,7 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
 
 
 def test_the_fused_stages_ask_for_the_fused_block(tmp_path):
-    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert "bench.gpu.fused=[true]" in by["bench_fused"].argv
     assert "model.fused=true" in by["profile_preset"].argv and "model.fused=true" in by["profile_224"].argv
@@ -429,7 +431,7 @@ def test_a_stage_left_out_of_campaign_stages_keeps_its_files_in_the_report(tmp_p
     (carried / "summary.json").write_text(json.dumps({"state": state, "stages": [{"name": "preset",
                                                                                  "epochs_trained": 0.5}]}))
     out = tmp_path / "campaign"
-    c = Campaign(load_config("campaign", None, [*TINY, f"out={out}", "campaign.stages=[tests]",
+    c = Campaign(load_campaign([*TINY, f"out={out}", "campaign.stages=[tests]",
                                                 f"campaign.from_report={carried}"]))
     c.load()
     assert [s.name for s in c.stages] == ["tests"] and "preset starts again from epoch 0" in c.restored
@@ -536,8 +538,8 @@ def stage_branches(source: str, names: set, where: str = "<source>", constants: 
 def test_no_code_of_the_campaign_branches_on_a_stage_name():
     """A stage's kind decides what it does (stages.py); its name only picks its kind
     and keys, once, in the plan's table."""
-    names = set(OmegaConf.load(ROOT / "configs" / "method" / "campaign.yaml").limits["campaign.stages"])
-    _, stages = plan(load_config("campaign", None, ["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
+    names = set(OmegaConf.load(YAML).limits["campaign.stages"])
+    _, stages = plan(load_campaign(["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
     assert {s.name for s in stages} == names  # every name has a kind
     files = sorted(Path(C.__file__).parent.glob("*.py"))
     assert len(files) >= 8, files
@@ -604,7 +606,7 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
         offset[0] += 100.0
         return real(*args, **kwargs)
     monkeypatch.setattr(engine, "save_checkpoint", slow_save)
-    tiny = load_config("campaign", None, TINY).campaign.tiny.preset
+    tiny = load_campaign(TINY).campaign.tiny.preset
     cfg = load_config("dino", "resmlp_s12", [*tiny, "data=imagefolder", f"data.root={tmp_path / 'images'}",
                                              f"out={tmp_path / 'run'}", "epochs=3", "eval_every=0", "ckpt_epochs=2"])
     summary = train(cfg)[3]
@@ -651,7 +653,7 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     assert main([*TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
     assert "holds other things (notes.txt)" in capsys.readouterr().err and not fresh.exists()
     # none yet (the first call): a new campaign, and it says so
-    c = Campaign(load_config("campaign", None, [*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))
+    c = Campaign(load_campaign([*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))
     c.load()
     assert c.restored.startswith("no report in") and not fresh.exists()
     # through run.sh, whose campaign case sets up before any Python runs
@@ -722,7 +724,7 @@ def test_a_stop_at_an_epochs_last_iteration_still_evaluates_that_epoch(tmp_path,
     from resmlp.core.errors import Preempted
     from resmlp.ssl.train import train
     make_jpeg_folder(str(tmp_path / "images"), 48, 36, 48)
-    tiny = load_config("campaign", None, TINY).campaign.tiny.preset
+    tiny = load_campaign(TINY).campaign.tiny.preset
     cfg = load_config("dino", "resmlp_s12", [*tiny, "data=imagefolder", f"data.root={tmp_path / 'images'}",
                                              f"out={tmp_path / 'run'}", "ckpt_epochs=2"])
     real = engine.Cadence.after_iteration

@@ -4,7 +4,7 @@ measuring the project, not a part of the installed package: run.sh puts tools/ o
 import path and runs `python -m campaign`; the stages it runs are the package's commands.
 
   call.py      one call: the stages under the call's deadline and the window's, the report
-  plan.py      which stages, of which kind, with what keys (configs/method/campaign.yaml)
+  plan.py      which stages, of which kind, with what keys (tools/campaign/campaign.yaml)
   stages.py    what every kind of stage shares, and when one may start
   tests.py, bench.py, training.py   the kinds: the CUDA tests; bench lines and profiles;
                the training runs (the preset, compare) and their predicted time (predict.py)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from campaign import report as R
 from campaign import state as S
+from campaign.config import YAML
 from campaign.folder import ReportError, write_report
 from campaign.folder import problem as report_problem
 from campaign.plan import not_asked, plan
@@ -440,16 +441,12 @@ def run(cfg) -> int:
 
 
 # Not a command of the package (core/cli.py): a tool for measuring this project, which
-# borrows the command line's config, checks and one-line errors.
+# borrows the command line's config (its own YAML), checks and one-line errors.
 COMMAND = cli.Command("campaign.call:run", "the whole GPU measurement, one resumable call after another",
-                      writes="campaign.call:results_dir",
+                      writes="campaign.call:results_dir", method=str(YAML),
                       ignores={**cli.NO_FEATURES, "launcher": "it runs here, on the machine it is called on"})
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m campaign [key=value ...]` (run.sh's `campaign`)."""
-    cli.COMMANDS["campaign"] = COMMAND  # for this call only: the package's table stays the package's
-    try:
-        return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)])
-    finally:
-        cli.COMMANDS.pop("campaign", None)
+    return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)], commands={"campaign": COMMAND})

@@ -1,6 +1,6 @@
 """The stages a campaign runs (call.py), in campaign.stages' order: which kind each
 one is (stages.py) and with what keys from the profile's settings
-(configs/method/campaign.yaml). No torch import.
+(tools/campaign/campaign.yaml). No torch import.
 
   tests           the CUDA-only tests (`pytest -m cuda`)
   preset          `dino resmlp_s12` to its last epoch, graphed when the graph tests passed
