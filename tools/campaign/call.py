@@ -234,7 +234,7 @@ class Campaign:
             return True
         argv = stage.launch(usable)
         stage.dir.mkdir(parents=True, exist_ok=True)
-        verb = stage.begin()
+        verb = stage.begin(need, why)
         if stage.start_note():
             self.say(f"{stage.name}: {stage.start_note()}")
         self.say(f"{stage.name} {verb} (run {stage.runs}): {shlex.join(['python', *argv])}")
@@ -246,6 +246,7 @@ class Campaign:
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
         stage.classify(rc, stopped_by)
+        stage.took(took)
         stage.after_run(took)
         note = f": {stage.note}" if stage.note else ""
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
