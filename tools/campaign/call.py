@@ -77,7 +77,7 @@ class Campaign:
             raise UserError(f"campaign.report: {why}")
         if self.from_report and self.from_report.resolve() == self.report_dir.resolve():
             raise UserError(f"campaign.from_report and campaign.report are both {self.report_dir}: carry the last "
-                            "report in under another name (README, 'Measuring on a GPU')")
+                            "report in under another name (tools/campaign/README.md)")
         self.carried = R.read_report(self.from_report)  # checked now, before any work
         if self.carried is not None:
             S.check_same(self.carried["state"], str(c.profile), self.stages, self.dir, self.from_report)
