@@ -65,7 +65,7 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     """(this tool's profile.* keys, the step's dino keys); `profile.phases=a,b` is the list [a,b]."""
     mine, rest = [], []
     for a in args:
-        key, sep, value = a.partition("=")
+        key, _, value = a.partition("=")
         if key.lstrip("+").startswith("profile."):
             if key.lstrip("+") == "profile.phases" and "," in value and not value.startswith("["):
                 a = f"{key}=[{value}]"
@@ -89,8 +89,10 @@ def _main(args: list[str]) -> int:
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
     step_phases = {"loader", "augment", "step"} & set(phases)
+    # compile=auto: as the trainer decides it, compiled on a GPU only
+    compiles = sorted({False, cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")})
     report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch, "crops": plan.label(),
-                         "compile": str(cfg.compile), "precision": precision} if step_phases else None,
+                         "compile": compiles[-1], "precision": precision} if step_phases else None,
               "phases": {}}
 
     def record(name, seconds):
@@ -104,8 +106,6 @@ def _main(args: list[str]) -> int:
     if step_phases:
         sources = _time_loader(cfg, plan, device, steps, record) if "loader" in phases else _random_sources(cfg, batch)
         images, sizes, keys = (x.to(device) for x in sources)
-    # compile=auto: as the trainer decides it, compiled on a GPU only
-    compiles = sorted({False, cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")})
     for comp in compiles if "augment" in phases else ():
         _time_augment(cfg, plan, device, precision, comp, (images, sizes, keys), steps, record)
     for comp in compiles if "step" in phases else ():
