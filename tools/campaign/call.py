@@ -25,7 +25,7 @@ is left and whether to call again.
 Exit codes: 75 call again (a stage left can still run in this window), 0 nothing more to
 call for (every stage ended, or what is left needs another window), 1 the same and a stage
 failed (could not run), 2 bad input. The orchestrator imports no torch (except to check
-for CUDA and for Fashion-MNIST's size).
+for CUDA, for the preset's demo=auto, which is no demo on a GPU, and for Fashion-MNIST's size).
 """
 from __future__ import annotations
 
