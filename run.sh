@@ -81,7 +81,7 @@ ensure_fashion_mnist() {
   fi
 }
 
-# `campaign` on a bare GPU machine (README "Measuring on a GPU"): the pure-Python wheels its
+# `campaign` on a bare GPU machine (tools/campaign/README.md): the pure-Python wheels its
 # python3 lacks come carried in .whl/ and Fashion-MNIST in .fmnist/ (`bash run.sh
 # campaign-carry` makes both), the last call's report in .campaign_report/ (the caller copies
 # it there); the call's clock starts here, set-up included.
@@ -104,7 +104,16 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 cmd="${1:-help}"
 case "$cmd" in
-  help|-h|--help) choose_python; exec "$PY" -m resmlp.core.cli help ;;
+  help|-h|--help)
+    choose_python; "$PY" -m resmlp.core.cli help
+    # run.sh's own: tools of this repository for measuring it, not commands of the package
+    cat <<'EOF'
+
+run.sh also runs (tools of this repository, not of the installed package):
+  campaign                 this project's GPU measurement, one resumable call after another (tools/campaign/README.md)
+  campaign-carry           make .whl/ and .fmnist/: what a bare GPU machine needs for campaign
+EOF
+    exit 0 ;;
   campaign) campaign_setup ;;
   campaign-carry)
     # Here, online: the three wheels and the four Fashion-MNIST files a GPU machine gets by

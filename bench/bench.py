@@ -1,7 +1,7 @@
 """`bash run.sh bench [model] [key=value ...]`: throughput benchmarks in one process.
 
-Rows (bench.rows): dino, e2e, inference, knn, aug, loader (the measured matmul peak always runs
-first). Sizes come from one profile of configs/method/bench.yaml: gpu (the real models at
+Rows (bench.rows): dino, e2e, torchrun, inference, knn, aug, loader (the measured matmul peak
+and device-to-device copy rate always run first). Sizes come from one profile of configs/method/bench.yaml: gpu (the real models at
 224 px), cpu (a small ResMLP at 64 px: what this machine can say) or tiny (the test's,
 seconds on a CPU); bench.profile=auto picks gpu when CUDA is visible. Prints one table
 per row family and a summary against the goals, and writes <out>/bench.json (out
@@ -27,14 +27,15 @@ from pathlib import Path
 import torch
 
 from resmlp.bench import rows as R
+from resmlp.bench.torchrun_step import torchrun_family
 from resmlp.core import dist, preempt
 from resmlp.core.config import as_list, to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 
-FAMILIES = {"dino": R.dino_family, "e2e": R.e2e_family, "inference": R.inference_family,
+FAMILIES = {"dino": R.dino_family, "e2e": R.e2e_family, "torchrun": torchrun_family, "inference": R.inference_family,
             "knn": R.knn_family, "aug": R.aug_family, "loader": R.loader_family}
 DEFAULT_MODEL = "resmlp_s12"  # what the CLI fills in when no model is given
-GOALS = {"dino_vs_reference": 3.0, "pct_of_peak": 40.0, "e2e_vs_synthetic": 0.8,
+GOALS = {"dino_vs_reference": 3.0, "pct_of_peak": 40.0, "e2e_vs_synthetic": 0.8, "torchrun_vs_one_process": 0.9,
          "inference_vs_timm": 1.5, "knn_seconds": 0.5, "loader_per_core": 500.0, "loader_vs_reference": 8.0}
 CPU_GOALS = ("loader_per_core", "loader_vs_reference")  # met or not on any machine
 
@@ -107,7 +108,8 @@ def progress_line(row: dict) -> str:
     who = " ".join(str(row[k]) for k in ("model", "strategy", "backend", "impl", "path") if row.get(k) is not None)
     if row["status"] != "ok":
         return f"{row['row']}: {who}: {row['status'].upper()} {row.get('error') or row.get('reason')}"
-    for key, unit in (("images_per_s", "img/s"), ("tflops", "TFLOP/s"), ("seconds", "s"), ("rel_err", "rel err")):
+    for key, unit in (("images_per_s", "img/s"), ("tflops", "TFLOP/s"), ("tb_per_s", "TB/s"), ("seconds", "s"),
+                      ("rel_err", "rel err")):
         if row.get(key) is not None:
             return f"{row['row']}: {who}: {row[key]:.4g} {unit} ({row['wall_s']:.1f} s)"
     return f"{row['row']}: {who}: ok ({row['wall_s']:.1f} s)"
@@ -232,8 +234,13 @@ def summarize(results: list, device: torch.device) -> list[dict]:
                  f"batch {best.get('batch')})", best["pct_peak"], GOALS["pct_of_peak"], "higher", ".1f")
     for r in _ok(results, "e2e"):
         if r.get("vs_synthetic") is not None:
-            line(f"end-to-end from JPEGs vs synthetic input, {r['path']} ({r['workers']} workers)",
+            line(f"end-to-end from JPEGs vs synthetic input, {r['model']}, {r['path']} ({r['workers']} workers)",
                  r["vs_synthetic"], GOALS["e2e_vs_synthetic"], "higher", ".2f")
+    for r in _ok(results, "torchrun"):
+        if r.get("vs_one_process") is not None:
+            line(f"dino step under a one-process torchrun ({r.get('backend')}) vs in one process, {r['model']}, "
+                 f"{r['impl']}, batch {r['batch']}", r["vs_one_process"], GOALS["torchrun_vs_one_process"],
+                 "higher", ".2f")
     for r in _ok(results, "inference"):
         if r.get("vs_timm_eager") and r["impl"] == "ours folded compile" or (
                 r.get("vs_timm_eager") and r["impl"] == "ours folded eager"
@@ -259,7 +266,7 @@ def summarize(results: list, device: torch.device) -> list[dict]:
 
 COLUMNS = {
     "peak": [("impl", "what", ""), ("dtype", "dtype", ""), ("size", "n", ""), ("tflops", "TFLOP/s", ".4g"),
-             ("spread", "spread", ".1%")],
+             ("tb_per_s", "TB/s", ".4g"), ("spread", "spread", ".1%")],
     "dino": [("model", "model", ""), ("strategy", "strategy", ""), ("impl", "impl", ""),
              ("precision", "precision", ""), ("batch", "batch", ""), ("crops", "crops", ""),
              ("images_per_s", "img/s", ".1f"), ("crops_per_s", "crops/s", ".0f"), ("step_ms", "step ms", ".1f"),
@@ -270,6 +277,10 @@ COLUMNS = {
             ("workers", "workers", ""), ("batch", "batch", ""), ("images_per_s", "img/s", ".1f"),
             ("loader_only_images_per_s", "loader alone img/s", ".1f"), ("vs_synthetic", "vs synthetic", "x"),
             ("mem_gb", "mem GB", ".2f"), ("wall_s", "wall s", ".1f")],
+    "torchrun": [("model", "model", ""), ("strategy", "strategy", ""), ("impl", "impl", ""), ("path", "path", ""),
+                 ("batch", "batch", ""), ("crops", "crops", ""), ("images_per_s", "img/s", ".1f"),
+                 ("step_ms", "step ms", ".1f"), ("first_s", "1st call s", ".1f"), ("spread", "spread", ".0%"),
+                 ("backend", "group", ""), ("mem_gb", "mem GB", ".2f"), ("vs_one_process", "vs one process", "x")],
     "inference": [("model", "model", ""), ("impl", "impl", ""), ("dtype", "dtype", ""), ("batch", "batch", ""),
                   ("images_per_s", "img/s", ".1f"), ("ms", "ms/batch", ".2f"), ("first_s", "1st call s", ".1f"),
                   ("mem_gb", "mem GB", ".2f"), ("vs_timm_eager", "vs timm eager", "x"), ("rel_err", "rel err", ".1e")],
@@ -331,9 +342,10 @@ def _numeric(text: str) -> bool:
     return text[:1].isdigit() or text[:1] == "-" and text[1:2].isdigit()
 
 
-TITLES = {"peak": "measured dense matmul rate (the ceiling for %peak)",
+TITLES = {"peak": "measured dense matmul rate (the ceiling for %peak) and device-to-device copy rate",
           "dino": "DINO training step on synthetic crops on the device: images/s (1 image = all its crops)",
           "e2e": "end-to-end: the same step fed from JPEG files by DataLoader workers",
+          "torchrun": "the dino step in a one-process torchrun job and in this process",
           "inference": "inference, random weights: images/s",
           "knn": "weighted k-NN (T=0.07): seconds",
           "aug": "augmentation: images/s (1 image = all its crops); threads 1 = per CPU core",
@@ -500,8 +512,8 @@ def resume(cfg, ctx: Context, path: Path, profile: str, families: list, models: 
         elif "key" in row and not row.get("left"):
             ctx.previous[row["key"]] = row
     if "peak" in done:
-        ctx.peak_tflops = next((r["tflops"] for r in ctx.results if r["row"] == "peak" and r["status"] == "ok"),
-                               None)
+        ctx.peak_tflops = next((r["tflops"] for r in ctx.results if r["row"] == "peak" and r["status"] == "ok"
+                                and "tflops" in r), None)
     print(f"bench: resuming {path} (run {ctx.run}): {len(ctx.results) + len(ctx.previous)} line(s) measured "
           f"before, families done: {', '.join(done) or 'none'}", flush=True)
     return done

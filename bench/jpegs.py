@@ -20,14 +20,18 @@ def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
 
 
-def make_jpeg_folder(root: str, n: int, min_px: int, max_px: int, classes: int = 10, seed: int = 0) -> float:
-    """Write n synthetic JPEGs of random sides in [min_px, max_px] as root/train/<class>/
-    (one more per class in root/val/); returns the mean file size in KB."""
+def make_jpeg_folder(root: str, n: int, min_px: int, max_px: int, classes: int = 10, seed: int = 0,
+                     shape: tuple[int, int] | None = None, quality: int = 90) -> float:
+    """Write n synthetic JPEGs of random sides in [min_px, max_px] (or every one `shape`,
+    width x height, every other one turned to portrait, as ImageNet's photos) as
+    root/train/<class>/ (one more per class in root/val/); returns the mean file size in KB."""
     rng = np.random.default_rng(seed)
     jobs = []
     for i in range(n + classes):
         split, c = ("train", i % classes) if i < n else ("val", i - n)
         w, h = (int(x) for x in rng.integers(min_px, max_px + 1, 2))
+        if shape is not None:
+            w, h = shape if i % 2 == 0 else shape[::-1]
         jobs.append((os.path.join(root, split, f"c{c:02d}", f"{i:06d}.jpg"), w, h, int(rng.integers(2**31))))
     for split in ("train", "val"):
         for c in range(classes):
@@ -35,7 +39,7 @@ def make_jpeg_folder(root: str, n: int, min_px: int, max_px: int, classes: int =
 
     def write(job):
         path, w, h, s = job
-        synthetic_image(w, h, s).save(path, quality=90)
+        synthetic_image(w, h, s).save(path, quality=quality)
         return os.path.getsize(path)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # PIL's encoder releases the GIL
         sizes = list(pool.map(write, jobs))

@@ -6,27 +6,34 @@ Fashion-MNIST preset by default; any `dino` command override works, e.g.
 each phase of the trainer's iteration alone, at the trainer's batch:
 
   loader      the trainer's DataLoader (workers decode and collate), no device work
-  augment     GpuMultiCrop on a device batch (eager, and compiled when compile=true)
-  step        DinoStep on synthetic crops (eager, and compiled when compile=true)
+  augment     GpuMultiCrop on a device batch (eager, and compiled when compile is on)
+  step        DinoStep on synthetic crops (eager, and compiled when compile is on: true,
+              or auto on a GPU), not graphed: a graph's replay hides which op launched
+              each kernel, and with it the kernel's bytes
   iteration   loader + augment + step, as the trainer chains them
 
-then records a few steps with torch.profiler and prints the kernels that take the most
-device time, and how much of the wall time the device was busy (GPU time / wall time:
-well under 1 means the host, not the device, sets the pace). Extra keys, consumed here:
-`profile.steps=N` (timed calls per phase), `profile.top=N` (kernels listed),
-`profile.out=DIR` (where profile.json goes), `profile.phases=loader,augment,step`
-(without loader: random uint8 images, for a data set that is not on the machine).
+then records a few steps with torch.profiler and keeps every kernel (`profile.top` of them,
+null: all), each in its class (GEMM, elementwise, reduction, copy, other:
+bench/kernel_classes.py), and each class against its floor: the step's matmul FLOPs at the
+matmul rate and the other classes' bytes at the device-to-device copy rate, both rates
+measured in this process first (bench/timing.py). It prints the classes, the busy fraction
+(kernel time / wall time: well under 1 means the host, not the device, sets the pace) and
+the longest kernels. On a CPU the "kernels" are the ops' own times.
+
+Its own keys are configs/method/profile.yaml's (`profile.steps`, `profile.top`,
+`profile.shown`, `profile.out`, `profile.phases`, `profile.knn`), checked by their `limits:`
+like every other key; `profile.phases=loader,augment` is the list [loader,augment] (without
+loader: random uint8 images, for a data set that is not on the machine).
 
 `profile.phases=knn` (alone or with the others) does the same for the k-NN of the bench's
 knn row (its `torch-device` line: the bench profile's sizes, `profile.knn=gpu|cpu|tiny`,
-default gpu on a GPU and cpu without one; the features already on the device): the whole
+auto: gpu on a GPU and cpu without one; the features already on the device): the whole
 call timed (its first call at full size alone, then the median of `profile.steps`), then
 one call with its phases timed (eval/knn_search.py's `phase` spans: the inputs, the bank's
 and the queries' unit rows, the float16 pass's matmuls and its block maxima and merges,
 the float64 re-rank, the exactness check, each round's host sync, the copy back, the vote)
 by CUDA events, no host sync added (bench/timing.py's PhaseClock; perf_counter on a CPU),
-with each search round's candidates and queries; on a GPU one call profiled for its top
-kernels.
+with each search round's candidates and queries; on a GPU one call profiled for its kernels.
 """
 from __future__ import annotations
 
@@ -37,18 +44,12 @@ from pathlib import Path
 
 import torch
 
-from resmlp.bench.timing import PhaseClock, measure, peak_memory_gb, reset_memory, sync
+from resmlp.bench import kernel_classes as KC
+from resmlp.bench.timing import PhaseClock, copy_rate, matmul_rate, measure, peak_memory_gb, reset_memory, sync
+from resmlp.core.config import as_list, load_config
 from resmlp.core.errors import UserError
 
-PHASES = ("loader", "augment", "step", "knn")   # what profile.phases may name
-
-
-def _pop(args: list[str], key: str, default):
-    for a in list(args):
-        if a.startswith(key + "="):
-            args.remove(a)
-            return type(default)(a.split("=", 1)[1]) if default is not None else a.split("=", 1)[1]
-    return default
+PROFILED_CALLS = 5   # step calls recorded by the profiler (the k-NN: one)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,52 +61,78 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(this tool's profile.* keys, the step's dino keys); `profile.phases=a,b` is the list [a,b]."""
+    mine, rest = [], []
+    for a in args:
+        key, _, value = a.partition("=")
+        if key.lstrip("+").startswith("profile."):
+            if key.lstrip("+") == "profile.phases" and "," in value and not value.startswith("["):
+                a = f"{key}=[{value}]"
+            mine.append(a)
+        else:
+            rest.append(a)
+    return mine, rest
+
+
 def _main(args: list[str]) -> int:
-    steps, top, out = _pop(args, "profile.steps", 20), _pop(args, "profile.top", 25), _pop(args, "profile.out", "")
-    phases = _pop(args, "profile.phases", "loader,augment,step").split(",")
+    mine, rest = split_args(args)
+    pc = load_config("profile", None, mine).profile
+    phases = [str(p) for p in as_list(pc.phases)]
+    steps, out = int(pc.steps), pc.out
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    knn_sizes = _pop(args, "profile.knn", "gpu" if device.type == "cuda" else "cpu")
-    unknown = [p for p in phases if p not in PHASES]
-    if unknown:
-        raise UserError(f"profile.phases: {','.join(unknown)} is not one of {', '.join(PHASES)}")
-    from resmlp.core.config import choices, load_config
-    profiles = [p for p in choices("bench.profile") if p != "auto"]   # those with knn sizes
-    if knn_sizes not in profiles:
-        raise UserError(f"profile.knn={knn_sizes} is not one of {', '.join(profiles)} (the bench profiles)")
+    knn_sizes = str(pc.knn) if pc.knn != "auto" else "gpu" if device.type == "cuda" else "cpu"
     from resmlp.data.crop_plan import crop_plan
 
-    cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", *rest])
     precision = "bf16" if device.type == "cuda" else "fp32"
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
     step_phases = {"loader", "augment", "step"} & set(phases)
+    # compile=auto: as the trainer decides it, compiled on a GPU only
+    compiles = sorted({False, cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")})
     report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch, "crops": plan.label(),
-                         "compile": bool(cfg.compile), "precision": precision} if step_phases else None,
+                         "compile": compiles[-1], "precision": precision} if step_phases else None,
               "phases": {}}
 
     def record(name, seconds):
         report["phases"][name] = {"ms": 1e3 * seconds, "images_per_s": batch / seconds}
         print(f"{name:28s} {1e3 * seconds:9.2f} ms  {batch / seconds:10.0f} img/s", flush=True)
 
+    profiled = "step" in phases or ("knn" in phases and device.type == "cuda")
+    if profiled:
+        report["rates"] = rates(device)
+    kernels = {"keep": pc.top, "shown": int(pc.shown), "rates": report.get("rates")}
     if step_phases:
         sources = _time_loader(cfg, plan, device, steps, record) if "loader" in phases else _random_sources(cfg, batch)
         images, sizes, keys = (x.to(device) for x in sources)
-    compiles = sorted({False, bool(cfg.compile)})
     for comp in compiles if "augment" in phases else ():
         _time_augment(cfg, plan, device, precision, comp, (images, sizes, keys), steps, record)
     for comp in compiles if "step" in phases else ():
-        kernels = _time_step(cfg, plan, device, precision, comp, steps, top, record)
-        if kernels is not None:
-            report[f"kernels_{'compiled' if comp else 'eager'}"] = kernels
+        report[f"kernels_{'compiled' if comp else 'eager'}"] = _time_step(cfg, plan, device, precision, comp, steps,
+                                                                           record, kernels)
     if "knn" in phases:
-        report["knn"], kernels = _time_knn(knn_sizes, device, steps, top)
-        if kernels is not None:
-            report["kernels_knn"] = kernels
+        report["knn"], found = _time_knn(knn_sizes, device, steps, kernels)
+        if found is not None:
+            report["kernels_knn"] = found
 
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "profile.json").write_text(json.dumps(report, indent=1))
     return 0
+
+
+def rates(device) -> dict:
+    """The two ceilings the kernel classes are held against, measured here (the bench's gpu or
+    cpu profile's sizes): the dense matmul rate in the step's precision and the copy rate."""
+    sizes = load_config("bench", None, []).bench["gpu" if device.type == "cuda" else "cpu"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {"matmul": matmul_rate(device, int(sizes.matmul_size), dtype), "copy": copy_rate(device, int(sizes.copy_mb))}
+    print(f"measured: matmul {out['matmul']['tflops']:.4g} TFLOP/s ({out['matmul']['dtype']}, "
+          f"{out['matmul']['size']}^3), copy {out['copy']['tb_per_s']:.4g} TB/s ({out['copy']['mbytes']} MiB, bytes "
+          "read and written)", flush=True)
+    reset_memory(device)
+    return out
 
 
 def _time_loader(cfg, plan, device, steps: int, record) -> tuple:
@@ -152,26 +179,27 @@ def _time_augment(cfg, plan, device, precision: str, comp: bool, sources: tuple,
     record(f"augment {'compiled' if comp else 'eager'}", t.seconds)
 
 
-def _time_step(cfg, plan, device, precision: str, comp: bool, steps: int, top: int, record) -> dict | None:
-    """DinoStep alone on synthetic crops, eager or compiled; on a GPU, profiled too (its
-    kernels, else None)."""
+def _time_step(cfg, plan, device, precision: str, comp: bool, steps: int, record, kernels: dict) -> dict:
+    """DinoStep alone on synthetic crops, eager or compiled (not graphed), timed, then
+    profiled: its kernels by class against their floors (_profile)."""
     from resmlp.bench import rows as R
     crops = [c.to(torch.bfloat16) if precision == "bf16" else c
              for c in R.synthetic_crops(plan, int(cfg.batch_size), device)]
-    step = R.build_our_step(cfg, device, precision, comp)
+    step = R.build_our_step(cfg, device, precision, comp, graphs=False)
     t = measure(lambda: R.call_step(step, crops), device, 3, steps, 3)
     record(f"step {'compiled' if comp else 'eager'}", t.seconds)
-    kernels = _profile(lambda: R.call_step(step, crops), device, top) if device.type == "cuda" else None
+    flops = R._count_flops(cfg, device, precision, crops)  # the model's, on a plain eager step
+    found = _profile(lambda: R.call_step(step, crops), device, kernels, flops)
     step = None
     torch._dynamo.reset()
-    return kernels
+    return found
 
 
-def _time_knn(sizes: str, device, steps: int, top: int) -> tuple[dict, dict | None]:
+def _time_knn(sizes: str, device, steps: int, kernels: dict) -> tuple[dict, dict | None]:
     """The bench's device k-NN (bench profile `sizes`' knn settings, its features already on
     the device, eval/knn.py's knn_classify as the bench's line calls it): timed whole, then one
     call by phase (PhaseClock; its votes checked equal to an untimed call's), then on a GPU one
-    call profiled. Returns (its figures, the top kernels or None)."""
+    call profiled. Returns (its figures, its kernels by class or None)."""
     from resmlp.bench import rows as R
     from resmlp.core.config import load_config
     from resmlp.eval import knn as K
@@ -212,34 +240,53 @@ def _time_knn(sizes: str, device, steps: int, top: int) -> tuple[dict, dict | No
         print(f"  {name:30s} {v['calls']:6d} {v['device_ms']:10.2f} {v['host_ms']:10.2f}")
     device_ms = sum(v["device_ms"] for v in spans.values())
     print(f"  {'sum':30s} {'':6s} {device_ms:10.2f}   (the call's wall {1e3 * wall:.2f} ms)", flush=True)
-    kernels = _profile(run, device, top, calls=1) if device.type == "cuda" else None
-    return out, kernels
+    found = None
+    if device.type == "cuda":
+        from resmlp.bench.timing import count_flops
+        found = _profile(run, device, kernels, count_flops(run), calls=1)
+    return out, found
 
 
-def _profile(fn, device, top: int, calls: int = 5) -> dict:
-    """Device time per kernel over `calls` calls, the busy fraction, launches per call."""
+def _profile(fn, device, kernels: dict, flops: int | None, calls: int = PROFILED_CALLS) -> dict:
+    """`calls` calls of fn() under torch.profiler: the wall and busy time per call, the
+    launches, every kernel's class (kernel_classes.py) and each class against its floor
+    (`flops`: the matmul FLOPs of one call; kernels["rates"]: the measured ceilings), and the
+    kernels themselves, the longest first (kernels["keep"] of them: None, all)."""
     from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         sync(device)
         wall = time.perf_counter() - t
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kernels) / 1e6  # us -> s (overlapping streams counted twice)
-    by_name: dict = {}
-    for e in kernels:
-        d = by_name.setdefault(e.name, [0.0, 0])
-        d[0] += e.device_time
-        d[1] += 1
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    print(f"  wall {1e3 * wall / calls:.2f} ms/call, device busy {1e3 * busy / calls:.2f} ms/call "
-          f"({100 * busy / wall:.0f}%), {len(kernels) / calls:.0f} kernels/call")
-    for name, (us, count) in ranked:
-        print(f"  {us / calls / 1e3:8.3f} ms  {count // calls:5d}x  {name[:110]}")
-    return {"wall_ms": 1e3 * wall / calls, "busy_ms": 1e3 * busy / calls, "kernels_per_call": len(kernels) / calls,
-            "top": [{"name": n, "ms_per_call": us / calls / 1e3, "count": c // calls} for n, (us, c) in ranked]}
+    found = KC.kernels_of(prof.events(), device.type, _dtypes_of(prof))
+    busy = sum(k["us"] for k in found) / 1e6  # (overlapping streams counted twice)
+    r = kernels["rates"]
+    classes = KC.classes(found, calls, flops, r["matmul"]["tflops"], r["copy"]["tb_per_s"])
+    ranked = KC.by_name(found, calls)
+    print(f"  wall {1e3 * wall / calls:.2f} ms/call, {'device' if device.type == 'cuda' else 'op'} time "
+          f"{1e3 * busy / calls:.2f} ms/call ({100 * busy / wall:.0f}%), {len(found) / calls:.0f} kernels/call",
+          flush=True)
+    print("\n".join(KC.table(classes)))
+    for k in ranked[:kernels["shown"]]:
+        print(f"  {k['ms_per_call']:8.3f} ms  {k['count']:7.1f}x  {k['class']:11s}  {k['name'][:100]}")
+    keep = ranked if kernels["keep"] is None else ranked[:int(kernels["keep"])]
+    return {"wall_ms": 1e3 * wall / calls, "busy_ms": 1e3 * busy / calls, "kernels_per_call": len(found) / calls,
+            "flops_per_call": flops, "classes": classes, "kernel_names": len(ranked), "top": keep}
+
+
+def _dtypes_of(prof):
+    """The arguments' dtypes of an event, read from the profiler's own records, for a torch
+    whose events do not carry them (kernel_classes.kernels_of asks only then)."""
+    table: dict = {}
+
+    def dtypes(event):
+        if not table:
+            table.update((k.correlation_id(), k.dtypes()) for k in prof.profiler.kineto_results.events())
+        return table.get(event.id)
+    return dtypes
 
 
 if __name__ == "__main__":

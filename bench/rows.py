@@ -31,8 +31,8 @@ import torch
 from omegaconf import OmegaConf
 
 from resmlp.bench.jpegs import make_jpeg_folder, synthetic_image  # noqa: F401 - also the tests'
-from resmlp.bench.timing import (count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb, reset_memory,
-                                 sync, threads)
+from resmlp.bench.timing import (copy_rate, count_flops, matmul_rate, measure, measure_interleaved, peak_memory_gb,
+                                 reset_memory, sync, threads)
 from resmlp.core.dist import AMP_DTYPES, cpu_cores
 
 # One fixed point of the schedules for every timed step (after the frozen-last-layer epoch).
@@ -97,9 +97,10 @@ def autocast_for(device: torch.device, precision: str):
     return lambda: torch.autocast(device.type, dtype=AMP_DTYPES[precision])
 
 
-def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None):
-    """The trainer's step (resmlp.ssl.step.build_dino_step) for a world of one; graphs:
-    dino.cuda_graphs (None: as cfg says)."""
+def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None,
+                   world_size: int = 1):
+    """The trainer's step (resmlp.ssl.step.build_dino_step), for a world of one unless
+    `world_size` says more (the torchrun row's process); graphs: dino.cuda_graphs (None: as cfg says)."""
     need_lightly()
     from omegaconf import OmegaConf
 
@@ -109,7 +110,7 @@ def build_our_step(cfg, device: torch.device, precision: str, compile: bool, gra
     if graphs is not None:
         cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": bool(graphs)}})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    return build_dino_step(cfg, crop_plan(cfg), device, scaler, autocast_for(device, precision))
+    return build_dino_step(cfg, crop_plan(cfg), device, scaler, autocast_for(device, precision), world_size)
 
 
 def build_reference_step(cfg, device: torch.device, strategy: str):
@@ -166,6 +167,9 @@ def peak_family(ctx) -> None:
     row = ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size},
                       lambda: matmul_rate(ctx.device, size, dtype))
     ctx.peak_tflops = row.get("tflops")  # also when an earlier run measured it
+    mbytes = int(ctx.p.copy_mb)
+    ctx.attempt("peak", {"impl": "device-to-device copy", "dtype": "float32", "size": f"{mbytes} MiB"},
+                lambda: copy_rate(ctx.device, mbytes))
 
 
 # --------------------------------------------------------------------------- dino
@@ -377,36 +381,63 @@ def loader_rate(loader, sampler, consume, warmup: int, steps: int, device, batch
 
 def e2e_family(ctx) -> None:
     """The trainer's data path (data.crop_plan.build_views + data.resumable.build_train_loader)
-    feeding the trainer's step, for each place the views can be made."""
+    feeding the trainer's step, for each place the views can be made, from one folder of
+    photo-like JPEGs in ImageNet's layout written here (no data set travels), per model of
+    e2e.models: each line's images/s against the synthetic-input step of the same run."""
     p, e, dev = ctx.p, ctx.p.e2e, ctx.device
     workers = cpu_cores() if str(e.workers) == "auto" else int(e.workers)
-    fused = bool(dino_config(p, e.model, e.strategy).model.fused)  # the trainer's default
-    base = {"model": e.model, "strategy": e.strategy, "impl": ours("compile" if e.compile else "eager", fused),
-            "batch": int(p.batch_size), "workers": workers}
     root = tempfile.mkdtemp(prefix="resmlp_bench_jpeg_")
-    state: dict = {}
     try:
-        def setup():
+        def write():
             t0 = time.perf_counter()
-            kb = make_jpeg_folder(root, int(e.n_images), int(e.min_px), int(e.max_px))
-            reset_memory(dev)
-            cfg = dino_config(p, e.model, e.strategy, [f"data.root={root}", f"compile={bool(e.compile)}",
-                                                       f"num_workers={workers}"])
-            state.update(cfg=cfg, step=build_our_step(cfg, dev, p.precision, bool(e.compile)))
-            return {"images": int(e.n_images), "mean_kb": kb, "write_s": time.perf_counter() - t0}
-        if ctx.attempt("e2e", {**base, "path": "write JPEGs"}, setup, restorable=False)["status"] != "ok":
+            kb = make_jpeg_folder(root, int(e.n_images), 0, 0, shape=(int(e.width), int(e.height)),
+                                  quality=int(e.quality))
+            return {"images": int(e.n_images), "image": f"{e.width}x{e.height} q{e.quality}", "mean_kb": kb,
+                    "write_s": time.perf_counter() - t0}
+        first = str(e.models[0])
+        if ctx.attempt("e2e", {**_e2e_ident(ctx, first, workers), "path": "write JPEGs"}, write,
+                       restorable=False)["status"] != "ok":
             return
-        synthetic = ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, state))
+        for model in e.models:
+            _e2e_lines(ctx, str(model), root, workers)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _e2e_ident(ctx, model: str, workers: int) -> dict:
+    p, e = ctx.p, ctx.p.e2e
+    fused = bool(dino_config(p, model, e.strategy).model.fused)  # the trainer's default
+    return {"model": model, "strategy": e.strategy, "impl": ours("compile" if e.compile else "eager", fused),
+            "batch": int(p.batch_size), "workers": workers}
+
+
+def _e2e_lines(ctx, model: str, root: str, workers: int) -> None:
+    """One model's lines: the step on synthetic crops, then fed by the loader (the CPU
+    multi-crop in the workers; the JPEGs decoded in the workers and cropped on the device;
+    on a GPU also decoded there, data.decode=gpu). The step is built by the first line this
+    run measures (an earlier run's lines are kept, bench.resume)."""
+    p, e, dev = ctx.p, ctx.p.e2e, ctx.device
+    base = _e2e_ident(ctx, model, workers)
+    state: dict = {}
+
+    def built() -> dict:
+        if "step" not in state:
+            reset_memory(dev)
+            cfg = dino_config(p, model, e.strategy, [f"data.root={root}", f"compile={bool(e.compile)}",
+                                                     f"num_workers={workers}"])
+            state.update(cfg=cfg, step=build_our_step(cfg, dev, p.precision, bool(e.compile)))
+        return state
+    try:
+        synthetic = ctx.attempt("e2e", {**base, "path": "synthetic input"}, lambda: _e2e_synthetic(ctx, built()))
         state["synthetic"] = synthetic.get("images_per_s")  # also when an earlier run measured it
-        ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e(ctx, state, "workers"))
-        ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e(ctx, state, "device"))
+        ctx.attempt("e2e", {**base, "path": "CPU augmentation in workers"}, lambda: _e2e(ctx, built(), "workers"))
+        ctx.attempt("e2e", {**base, "path": f"GpuMultiCrop on {dev.type}"}, lambda: _e2e(ctx, built(), "device"))
         if dev.type == "cuda":
             ctx.attempt("e2e", {**base, "path": "GpuMultiCrop, JPEGs decoded on the GPU (data.decode=gpu)"},
-                        lambda: _e2e(ctx, state, "device", "gpu"))
+                        lambda: _e2e(ctx, built(), "device", "gpu"))
     finally:
         state.clear()
         _compile_cleanup(bool(e.compile))
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _e2e_synthetic(ctx, state) -> dict:

@@ -167,6 +167,17 @@ def matmul_rate(device: torch.device, size: int, dtype: torch.dtype, repeats: in
             "tflops": 2 * size ** 3 / t.seconds / 1e12, **t.as_dict()}
 
 
+def copy_rate(device: torch.device, mbytes: int, repeats: int = 5) -> dict:
+    """Measured device-to-device copy rate (TB/s, bytes read plus bytes written) of one buffer
+    of `mbytes` MiB of random data into another: the ceiling for memory-bound kernels, as
+    matmul_rate is for the matrix products."""
+    g = torch.Generator(device=device).manual_seed(0)
+    src = torch.rand(int(mbytes) * 2**20 // 4, device=device, generator=g)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), device, warmup=3, calls=10 if device.type == "cuda" else 2, repeats=repeats)
+    return {"mbytes": int(mbytes), "tb_per_s": 2 * src.numel() * 4 / t.seconds / 1e12, **t.as_dict()}
+
+
 def count_flops(fn) -> int:
     """FLOPs (2 per multiply-add) of the matmuls and convolutions fn() runs, forward and
     backward, as torch.utils.flop_counter counts them: on the eager code of any compiled

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from resmlp.core import preempt
 from resmlp.core.checkpoint import check_writable
@@ -30,6 +31,8 @@ class Command:
     # config sections or keys the command does not read, and why (an evaluator's model comes
     # from its checkpoint): naming one on the command line is an error, not a silent no-op
     ignores: dict = field(default_factory=dict)
+    # the YAML of its keys when it is not configs/method/<name>.yaml (a tool's, e.g. tools/campaign)
+    method: str = ""
 
 
 RUN_DIR = "resmlp.core.engine:run_dir"
@@ -87,8 +90,6 @@ def usage() -> str:
         arg = f" <{c.positional}>" if c.positional else ""
         lines.append(f"  {name + arg:<24} {c.help}")
     lines += [f"  {'test':<24} run the test suite (pytest)",
-              f"  {'campaign':<24} this project's GPU measurement, one resumable call after another (tools/campaign)",
-              f"  {'campaign-carry':<24} make .whl/ and .fmnist/: what a bare GPU machine needs for campaign",
               f"  {'help':<24} this text", "",
               "models: " + ", ".join(model_names()),
               "examples:",
@@ -138,15 +139,15 @@ def check_read(name: str, cmd: Command, overrides: list[str]) -> None:
                 raise UserError(f"`{name}` does not read {key} ({why}); drop {o}")
 
 
-def build(argv: list[str]):
-    """(command spec, config) from argv; raises UserError on bad input."""
+def build(argv: list[str], commands: dict = COMMANDS):
+    """(command spec, config) from argv, a command of `commands`; raises UserError on bad input."""
     from resmlp.core.config import load_config
     if not argv or argv[0] in ("help", "-h", "--help"):
         return None, None
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        raise UserError(f"unknown command {name!r}; choose one of: {', '.join([*COMMANDS, 'test', 'help'])}")
-    cmd = COMMANDS[name]
+    if name not in commands:
+        raise UserError(f"unknown command {name!r}; choose one of: {', '.join([*commands, 'test', 'help'])}")
+    cmd = commands[name]
     positional = None
     if cmd.positional and rest and "=" not in rest[0]:
         positional, rest = rest[0], rest[1:]
@@ -166,13 +167,13 @@ def build(argv: list[str]):
         extra = [f"checkpoint={positional}"]
     elif positional is not None:
         raise UserError(f"`{name}` takes only key=value arguments, not {positional!r}")
-    cfg = load_config(name, model, [*extra, *rest], base=base)
+    cfg = load_config(name, model, [*extra, *rest], base=base, method=Path(cmd.method) if cmd.method else None)
     if cfg.launcher == "local":
         check_read(name, replace(cmd, ignores=RUNS_HERE), rest)
     return cmd, cfg
 
 
-def check_writes(name: str, cmd: Command, cfg) -> None:
+def check_writes(name: str, cmd: Command, cfg, commands: dict = COMMANDS) -> None:
     """The directory the command writes into may take its outputs (core/outdir.py: not a
     folder of something else, not inside data.root, a path the file system takes) and can
     be written, before the command does any work (one process tries: under torchrun the
@@ -183,7 +184,7 @@ def check_writes(name: str, cmd: Command, cfg) -> None:
     directory = getattr(importlib.import_module(module), func)(cfg)
     what = f"the outputs of `{name}`"
     if directory is not None:
-        check_out_dir(directory, cfg, COMMANDS, what)
+        check_out_dir(directory, cfg, commands, what)
         check_writable(directory, what, "choose another out=" if cfg.out else "pass out=<a directory you can write>")
     check_cache_dir(cfg)
 
@@ -219,17 +220,20 @@ def out_of_memory(e: BaseException) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None, run=None) -> int:
+def main(argv: list[str] | None = None, run=None, commands: dict | None = None) -> int:
     """The CLI. `run`: an entry `run(cfg)` to use in place of the command's own (a study's
     trainer with its extension points, studies/); the config, errors and exit codes stay
-    the command's."""
+    the command's. `commands`: more commands beside the package's ({name: Command}), for a
+    tool of the repository that borrows the command line (tools/campaign); the package's
+    help lists only its own."""
     argv = sys.argv[1:] if argv is None else argv
+    table = {**COMMANDS, **(commands or {})}
     try:
-        cmd, cfg = build(argv)
+        cmd, cfg = build(argv, table)
         if cmd is None:
             print(usage())
             return 0
-        check_writes(argv[0], cmd, cfg)
+        check_writes(argv[0], cmd, cfg, table)
         if cfg.launcher != "local":
             return launch(cfg, argv)
         if run is None:

@@ -53,9 +53,10 @@ def _load_yaml(path: Path) -> DictConfig:
         raise UserError(f"{path}: {e}".splitlines()[0]) from None
 
 
-def method_config(command: str, _seen: tuple = ()) -> DictConfig:
-    """configs/method/<command>.yaml over the method it `extends` (if any), recursively."""
-    path = CONFIG_DIR / "method" / f"{command}.yaml"
+def method_config(command: str, _seen: tuple = (), path: Path | None = None) -> DictConfig:
+    """configs/method/<command>.yaml (or the file `path`: a tool's own, outside the package)
+    over the method it `extends` (if any), recursively."""
+    path = path or CONFIG_DIR / "method" / f"{command}.yaml"
     if not path.exists():
         return OmegaConf.create({})
     cfg = _load_yaml(path)
@@ -108,15 +109,16 @@ def _key_paths(tree: dict, prefix: str = "") -> list[str]:
 
 
 def load_config(command: str, model: str | None = None, overrides: Iterable[str] = (),
-                base: dict | None = None) -> DictConfig:
+                base: dict | None = None, method: Path | None = None) -> DictConfig:
     """Build the config of one command.
 
     `base` (a saved run config, e.g. from a checkpoint) is merged right after the
     yaml files, so evaluators default to the model and data a checkpoint was trained
-    with while the command line still wins.
+    with while the command line still wins. `method`: the command's method file when it
+    is not configs/method/<command>.yaml (a tool of the repository, e.g. tools/campaign).
     """
     model, data, rest = _names(split_overrides(overrides), model, base)
-    cfg, (limits, moved, paths) = _layers(command, model, data, base)
+    cfg, (limits, moved, paths) = _layers(command, model, data, base, method)
     OmegaConf.set_struct(cfg, True)
     cfg.demo, rest = _demo_wanted(cfg, rest, limits["demo"])
     # the data file's demo sizes only where the network starts here: a checkpoint's run keeps its own
@@ -172,13 +174,14 @@ def _names(overrides: list[str], model: str | None, base: dict | None) -> tuple[
     return model, data, rest
 
 
-def _layers(command: str, model: str | None, data: str | None, base: dict | None) -> tuple[DictConfig, tuple]:
+def _layers(command: str, model: str | None, data: str | None, base: dict | None,
+            method: Path | None = None) -> tuple[DictConfig, tuple]:
     """The YAML files merged in their order, then what a saved run carries over; with the
     rules (`_take_rules`) taken out of them."""
     # New keys may come from method files (their own sections); struct mode starts once
     # every file is in.
-    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command))
-    rules = _take_rules(cfg, command)
+    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command, path=method))
+    rules = _take_rules(cfg, command, method)
     data = data or cfg.data.name
     data_file = CONFIG_DIR / "data" / f"{data}.yaml"
     if not data_file.exists():
@@ -334,12 +337,12 @@ LIMIT_KINDS = {
 }
 
 
-def _take_rules(cfg: DictConfig, command: str) -> tuple[dict, dict, list]:
+def _take_rules(cfg: DictConfig, command: str, method: Path | None = None) -> tuple[dict, dict, list]:
     """Take the `limits:`, `moved:` and `paths:` sections out of the merged files:
     ({key: Limit}, {old key: new key}, [path keys]). Limits are checked once the config is built, so that a bad value
     is one line before anything runs (not a traceback deep inside torch); a list (knn.k) is
     checked element by element, and a key the command does not have is skipped."""
-    where = f"configs/defaults.yaml or configs/method/{command}.yaml"
+    where = f"configs/defaults.yaml or {method or f'configs/method/{command}.yaml'}"
     limits = {str(k): Limit.from_spec(v, f"{where}, limits.{k}") for k, v in (cfg.pop("limits", None) or {}).items()}
     moved = {str(k): str(v) for k, v in (cfg.pop("moved", None) or {}).items()}
     paths = [str(k) for k in (cfg.pop("paths", None) or {})]

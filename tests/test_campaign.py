@@ -26,8 +26,11 @@ from campaign import call as C
 from campaign import report as RE
 from campaign import stages as CS
 from campaign import state as S
-from campaign.bench import PROFILE_TOP, BenchStage, ProfileStage, profile_figures
+from campaign.bench import BenchStage, ProfileStage, profile_figures
 from campaign.call import REPORT_FILES, STARTED_ENV, Campaign, main
+from campaign.compiling import CompileStage
+from campaign.config import YAML
+from campaign.config import load as load_campaign
 from campaign.folder import MAX_BYTES, ReportError, write_report
 from campaign.plan import plan
 from campaign.predict import measured, predict, schedule
@@ -122,10 +125,10 @@ def report_obeys_the_limits(folder: Path, killed: bool = False) -> None:
 def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tmp_path):
     out = tmp_path / "campaign"
     reports = [tmp_path / f"report{i}" for i in (1, 2, 3)]
-    tiny = load_config("campaign", None, TINY).campaign.tiny
+    tiny = load_campaign(TINY).campaign.tiny
 
-    # the window's call 1: the tests, then the preset, whose prediction fits; the tool's
-    # kill of the whole group lands in its first epoch
+    # the window's call 1: the tests, the profiles, then the preset, whose prediction fits; the
+    # tool's kill of the whole group lands in its first epoch
     rc, lines1, pgid = call(out, reports[0], window=100000, kill=r"^ep 1/2 it 2/6 ")
     assert rc == -signal.SIGKILL, lines1[-20:]
     deadline = time.time() + 10
@@ -133,7 +136,8 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
         time.sleep(0.2)
     assert not alive_in_group(pgid), "a process of the killed call outlived it"
     s1, st1 = summary(reports[0])
-    assert [st1[n]["status"] for n in ("tests", "preset", "bench_fused")] == ["done", "running", "pending"]
+    assert [st1[n]["status"] for n in ("tests", "profile_preset", "profile_224", "preset", "torchrun")] == \
+        ["done", "done", "done", "running", "pending"]
     assert st1["tests"]["tests"] == st1["tests"]["skipped"] >= 7  # test_graphs.py's CUDA tests, skipped here
     assert st1["tests"]["skip_reasons"] == ["needs a CUDA GPU"]
     # the preset's prediction, from its config (2 epochs of 48 images, the k-NN every epoch) and the constants
@@ -149,7 +153,7 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     # call 2, a fresh machine with only the report, and the window nearly spent: 60 s, of
     # which 5 go to the machine's start and 20 to the margin, 10 to the stop signal's grace:
     # under 25 s for a stage. The preset (at least its 30 s) is not started in this window;
-    # the bench starts, its lines kept one by one
+    # the first bench stage (torchrun) starts, its lines kept one by one
     shutil.rmtree(out)
     rc, lines2, _ = call(out, reports[1], window=60, carried=carry(reports[0], tmp_path / "carried1"))
     assert rc == 0, lines2[-30:]
@@ -164,11 +168,11 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     verdicts = {x["stage"]: x["verdict"] for x in window2["not_started"]}
     assert verdicts["preset"] == "window" and st2["preset"]["status"] == "cut"
     assert any(re.match(r"campaign: preset: needs \d+ s .*not started in this window$", line) for line in lines2)
-    assert any(line.startswith("campaign: bench_fused starts (run 1)") for line in lines2)
-    if st2["bench_fused"]["status"] == "done":  # then the profiles were weighed too
-        assert verdicts["profile_knn"] == verdicts["profile_preset"] == verdicts["profile_224"] == "window"
+    assert any(line.startswith("campaign: torchrun starts (run 1)") for line in lines2)
+    if st2["torchrun"]["status"] == "done":  # then compile was weighed too
+        assert verdicts["compile"] == "window"
     assert not s2["call_again"]
-    assert {"preset", "profile_knn", "profile_preset", "profile_224"} <= set(s2["left_for_another_window"])
+    assert {"preset", "compile", "profile_knn"} <= set(s2["left_for_another_window"])
     assert "left for another window: " in "\n".join(lines2)
 
     # call 3, the next window's first, on a fresh machine with call 2's report: the rest
@@ -196,7 +200,7 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     measured_lines = [line for line in every if line.startswith("[bench] ")
                       and not re.search(r"\(run \d+\)$", line) and "before this line" not in line]
     assert len(keys) == len(set(keys)) == len(measured_lines) and bench3["left"] == 0
-    assert bench3["runs"] in (2, 3)  # bench_fused's run(s) (cut in call 2 or not), then bench's
+    assert bench3["runs"] == sum(st3[n]["runs"] for n in ("torchrun", "e2e", "bench_fused", "bench"))
 
     # every figure of every call is in the last report
     rows3 = {r["key"]: r for r in bench3["rows"]}
@@ -215,6 +219,14 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert st3["profile_preset"]["profile"]["config"]["crops"] == "2x32+2x16"
     assert st3["profile_224"]["profile"]["config"]["crops"] == "2x64+2x32"
     assert all("step eager" in st3[n]["profile"]["phases"] for n in ("profile_preset", "profile_224"))
+    # every op of the profiled steps, by class against its floor at the rates measured there
+    eager = st3["profile_preset"]["profile"]["kernels_eager"]
+    assert len(eager["top"]) > 20 and eager["classes"]["GEMM"]["ms"] > 0 and eager["classes"]["GEMM"]["floor_ms"] > 0
+    assert st3["profile_preset"]["profile"]["rates"]["copy"]["tb_per_s"] > 0
+    # the compile stage's two runs, and every stage's estimate beside what its last run took
+    assert set(st3["compile"]["cost"]) == {"cold", "warm"} and st3["compile"]["cost"]["warm"]["mode"] == "eager"
+    assert all(x["expected"]["took_s"] > 0 and x["expected"]["need_s"] > 0 for x in st3.values())
+    assert {r["row"] for r in bench3["rows"]} >= {"torchrun", "e2e"}
     # and the device k-NN's phases at the tiny bench profile's sizes (here on the CPU)
     knn = st3["profile_knn"]["profile"]["knn"]
     assert (knn["n_train"], knn["queries"], knn["same_votes"]) == (500, 50, True)
@@ -224,31 +236,33 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
 # --------------------------------------------------------------------------- the stages and their time
 
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
-    cfg = load_config("campaign", None, [*TINY, f"out={tmp_path}"])
+    cfg = load_campaign([*TINY, f"out={tmp_path}"])
     p, stages = plan(cfg, tmp_path)
-    assert [s.name for s in stages] == ["tests", "preset", "bench_fused", "profile_knn", "profile_preset",
-                                        "profile_224", "bench"]
-    gpu = load_config("campaign", None, [f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
+    assert [s.name for s in stages] == ["tests", "profile_preset", "profile_224", "preset", "torchrun", "compile",
+                                        "e2e", "bench_fused", "profile_knn", "bench"]
+    gpu = load_campaign([f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
     p, stages = plan(gpu, tmp_path)
     assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
-    assert "ckpt_epochs=10" in stages[0].argv and "compile=true" in stages[0].argv
+    # the preset is the command a user types on a GPU: only device, out and ckpt_epochs
+    assert stages[0].argv == ["-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={tmp_path / 'preset'}",
+                              "device=cuda", "ckpt_epochs=10"]
     assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
-                      (["campaign.stages=[preset,viz]"], "one of tests, preset, bench_fused, profile_knn, "
-                                                         "profile_preset"),
+                      (["campaign.stages=[preset,viz]"], "one of tests, profile_preset, profile_224, preset, "
+                                                         "torchrun, compile"),
                       (["campaign.call_s=200"], "no time for the bench stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
-            plan(load_config("campaign", None, [f"out={tmp_path}", *bad]), tmp_path)
+            plan(load_campaign([f"out={tmp_path}", *bad]), tmp_path)
     # the bench stages share one bench.json; the first one asks for the S12 lines of the step and the k-NN
-    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert by["bench_fused"].dir == by["bench"].dir == tmp_path / "bench"
     assert "bench.rows=[dino,knn]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
     assert by["bench_fused"].line_s == 90 and by["bench"].line_s == 150
     # the profiles: bench/profile.py on the preset's own config, and at 224 px, each into its own folder
     assert by["profile_preset"].argv[:2] == ["-m", "resmlp.bench.profile"]
-    assert by["profile_preset"].argv[2:6] == ["demo=false", "device=cuda", "compile=true", "ckpt_epochs=10"]
+    assert by["profile_preset"].argv[2:6] == ["device=cuda", "ckpt_epochs=10", "compile=true", "model.fused=true"]
     assert "data.img_size=224" in by["profile_224"].argv
     assert by["profile_knn"].argv[2:4] == ["profile.phases=knn", "profile.knn=gpu"]
     assert by["profile_knn"].min_start_s == 60
@@ -281,13 +295,20 @@ class Clock:
         return self.now
 
 
-def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch):
+@pytest.fixture
+def on_a_gpu_machine(monkeypatch):
+    """The gpu profile planned as on the machine it runs on: there the preset's demo=auto
+    (the command a user types) is no CPU demo, and its prediction is the preset's."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch, on_a_gpu_machine):
     clock = Clock()
     monkeypatch.setattr(C, "time", types.SimpleNamespace(time=clock.time, sleep=time.sleep))
     monkeypatch.delenv(STARTED_ENV, raising=False)
 
     def campaign(out, *extra):
-        c = Campaign(load_config("campaign", None, [f"out={out}", *extra]))
+        c = Campaign(load_campaign([f"out={out}", *extra]))
         c.load()
         c.calls.append({"call": 1, "setup_s": 6.0, "not_started": []})
         return c
@@ -330,17 +351,122 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch)
     assert need == pytest.approx(15 + 52 + 30 * 59904 / 6940 + 2 * 4 + 12, abs=0.1)
     assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
     # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
-    # 294 - 40 - 20 - 6 - 30 = 198 s: bench_fused (120 s), the profiles (60 and 120 s) and the bench (180 s) fit it
+    # 294 - 40 - 20 - 6 - 30 = 198 s: every stage but the preset fits it (the bench's 180 s the longest)
     clock.now = first.started + 546
-    assert [s.name for s in first.left_for_later()] == ["bench_fused", "profile_knn", "profile_preset", "profile_224",
-                                                        "bench"]
+    assert [s.name for s in first.left_for_later()] == ["profile_preset", "profile_224", "torchrun", "compile", "e2e",
+                                                        "bench_fused", "profile_knn", "bench"]
     assert first.exit_code() == 75
     clock.now = first.started + 700  # 840 - 700 - 96 = 44 s: nothing fits; the preset needs another window
     assert first.left_for_later() == [] and first.exit_code() == 0
 
 
+def test_a_window_runs_the_tests_the_profiles_the_preset_and_torchrun_and_leaves_the_rest(tmp_path, monkeypatch,
+                                                                                          on_a_gpu_machine):
+    """The next window as the estimates plan it (campaign.gpu's min_start_s and the preset's
+    prediction): call 1 the tests and both whole profiles, then the preset does not fit and
+    the call ends for it; call 2 the preset and the torchrun line; then compile needs another
+    window, and the call says so."""
+    clock = Clock()
+    monkeypatch.setattr(C, "time", types.SimpleNamespace(time=clock.time, sleep=time.sleep))
+    monkeypatch.delenv(STARTED_ENV, raising=False)
+    first = Campaign(load_campaign([f"out={tmp_path / 'w'}", "campaign.window_left_s=900"]))
+    first.load()
+    first.calls.append({"call": 1, "setup_s": 8.0, "not_started": []})
+    by = first.by_name
+    taken = 8.0   # the set-up
+    clock.now = first.started + taken
+    # each starts with its whole run's budget (min_start_s) left and takes what campaign.yaml's
+    # comments estimate: the tests as on 2026-11-27 and a few more, the profiles 75 and 65 s
+    for name, took in (("tests", 80), ("profile_preset", 75), ("profile_224", 65)):
+        need, _ = first.requirement(by[name])
+        assert CS.decide(need, first.deadline - clock.now - 30, first.next_call_s()) == "start", name
+        clock.now += took
+        by[name].status = "done"
+    clock.now = first.started + taken + 80 + 75 + 65
+    assert first.run_stage(by["preset"], first.calls[-1]) is False   # 436 s > 570 - 228 - 30: the next call
+    assert first.calls[-1]["not_started"][-1]["verdict"] == "next_call" and first.exit_code() == 75
+    # call 2 on the same machine, told what the window has left (its start, call 1 and the transfers spent)
+    (tmp_path / "w").mkdir(exist_ok=True)
+    S.write_state(tmp_path / "w", first.state())
+    spent = clock.now - first.started + 5   # and the transfers around call 1 (2026-11-27: 900 - 765 - 40 - 90 s)
+    second = Campaign(load_campaign([f"out={tmp_path / 'w'}", f"campaign.window_left_s={900 - 40 - spent:g}"]))
+    second.load()
+    second.calls.append({"call": 2, "setup_s": 6.0, "not_started": []})
+    preset, _ = second.requirement(second.by_name["preset"])
+    clock.now = second.started + 6 + preset
+    torchrun, why = second.requirement(second.by_name["torchrun"])
+    assert (torchrun, preset) == (80, pytest.approx(436, abs=1)) and "bench_line_s=60" in why
+    left = second.deadline - clock.now - 30
+    assert CS.decide(torchrun, left, second.next_call_s()) == "start"
+    clock.now += 92   # its estimate: the bench's start-up, the peak lines and the two step lines
+    compile_need, _ = second.requirement(second.by_name["compile"])
+    assert CS.decide(compile_need, second.deadline - clock.now - 30, second.next_call_s()) == "window"
+    for s in ("preset", "torchrun"):
+        second.by_name[s].status = "done"
+    assert second.left_for_later() == [] and second.exit_code() == 0
+
+
+def test_the_new_stages_run_the_bench_rows_and_compile_cost_of_the_preset(tmp_path):
+    _, stages = plan(load_campaign([f"out={tmp_path}", "campaign.gpu.compile_cache=[compile.cache_dir=<cache>]"]),
+                     tmp_path)
+    by = {s.name: s for s in stages}
+    for name, row, line_s in (("torchrun", "torchrun", 60), ("e2e", "e2e", 45)):
+        stage = by[name]
+        assert isinstance(stage, BenchStage) and stage.dir == by["bench"].dir and stage.line_s == line_s
+        assert f"bench.rows=[{row}]" in stage.argv and "bench.resume=true" in stage.argv
+    # compile: bench/compile_cost.py on the preset's keys, twice (cold, then warm), one cache emptied at its start
+    c = by["compile"]
+    assert isinstance(c, CompileStage) and c.min_start_s == 150
+    assert c.argv == ["-m", "resmlp.bench.compile_cost", "--modes", "regional,regional", "--steps", "3", "--json",
+                      str(tmp_path / "compile" / "compile_cost.json"), "device=cuda", "ckpt_epochs=10",
+                      f"compile.cache_dir={tmp_path / 'compile_cache'}"]
+    c.cache.mkdir(parents=True)
+    (c.cache / "blob.bin").write_bytes(b"x")
+    assert c.launch(100) == c.argv and not c.cache.exists()   # cold at every start
+    c.dir.mkdir(parents=True)
+    runs = [{"mode": "regional", "first_s": 39.5, "steady_s": 0.074, "compile_s": 39.4, "build_s": 2.0,
+             "process_s": 60.0, "graphs": 3, "seconds": [39.5, 0.074]},
+            {"mode": "regional", "first_s": 12.0, "steady_s": 0.074, "compile_s": 11.9, "build_s": 2.0,
+             "process_s": 30.0, "graphs": 3, "seconds": [12.0, 0.074]}]
+    (c.dir / "compile_cost.json").write_text(json.dumps(runs))
+    c.status = "done"
+    c.after_run(95.0)
+    assert c.cost["cold"]["first_s"] == 39.5 and c.cost["warm"]["first_s"] == 12.0 and "seconds" not in c.cost["warm"]
+    assert "cold: first iteration 39.5 s" in c.describe() and "warm: first iteration 12.0 s" in c.describe()
+    c.took(95.0)
+    assert c.state()["cost"] == c.cost and c.state()["expected"]["took_s"] == 95.0
+    # no key for the cache (until the compile cache is in): the same command, cold twice
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
+    assert not any("cache" in a for a in {s.name: s for s in stages}["compile"].argv)
+
+
+def test_a_tool_brings_its_commands_to_the_cli_without_writing_into_its_table(tmp_path, capsys):
+    """core/cli.main takes the campaign as a parameter: the package's table is never written
+    into, the campaign's keys and their limits come from its own YAML (tools/campaign), the
+    package's help does not list it and run.sh's does."""
+    from resmlp.core import cli
+    seen = {}
+
+    def run(cfg):
+        seen.update(table=set(cli.COMMANDS), stages=list(cfg.campaign.stages), profile=cfg.campaign.profile)
+        return 0
+    assert cli.main(["campaign", *TINY, f"out={tmp_path / 'c'}"], run=run, commands={"campaign": C.COMMAND}) == 0
+    assert "campaign" not in seen["table"] and seen["profile"] == "tiny" and seen["stages"][:2] == ["tests",
+                                                                                                   "profile_preset"]
+    assert cli.main(["campaign", "campaign.call_s=-1"], commands={"campaign": C.COMMAND}) == 2
+    assert capsys.readouterr().err.strip() == ("error: campaign.call_s=-1 is not allowed: campaign.call_s must be a "
+                                               "number > 0")
+    assert cli.main(["campaign", *TINY]) == 2 and "unknown command 'campaign'" in capsys.readouterr().err
+    assert "campaign" not in cli.usage() and not (ROOT / "configs" / "method" / "campaign.yaml").exists()
+    sh = subprocess.run(["bash", str(ROOT / "run.sh"), "help"], env={**os.environ, "RESMLP_PYTHON": sys.executable},
+                        capture_output=True, text=True)
+    assert sh.returncode == 0 and "dino <model>" in sh.stdout
+    assert re.search(r"^  campaign +.*tools/campaign/README.md\)$", sh.stdout, re.M)
+    assert re.search(r"^  campaign-carry +", sh.stdout, re.M)
+
+
 def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
-    gpu = load_config("campaign", None, [f"out={tmp_path}"]).campaign.gpu.predict
+    gpu = load_campaign([f"out={tmp_path}"]).campaign.gpu.predict
     dino = load_config("dino", "resmlp_s12", ["demo=false"])  # the Fashion-MNIST preset
     sched = schedule(dino, 60000)
     assert sched == {"epochs": 40, "images_per_epoch": 117 * 512, "eval_every": 10, "batch_size": 512}
@@ -374,26 +500,37 @@ def test_the_preset_prediction_from_its_config_and_from_the_h100_log(tmp_path):
 
 
 def test_the_fused_stages_ask_for_the_fused_block(tmp_path):
-    _, stages = plan(load_config("campaign", None, [f"out={tmp_path}"]), tmp_path)
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert "bench.gpu.fused=[true]" in by["bench_fused"].argv
     assert "model.fused=true" in by["profile_preset"].argv and "model.fused=true" in by["profile_224"].argv
 
 
-def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machine(tmp_path):
-    top = [{"name": f"kernel_{i}_" + "x" * 300, "ms_per_call": 1.0 / (i + 1), "count": 3} for i in range(25)]
+def test_a_profile_keeps_every_kernel_in_the_summary_and_comes_back_on_a_fresh_machine(tmp_path):
+    top = [{"name": f"kernel_{i}_" + "x" * 300, "class": "elementwise", "ms_per_call": 1.0 / (i + 1), "count": 3.0,
+            "gb_per_call": 0.123456789} for i in range(25)]
+    classes = {"GEMM": {"ms": 20.6, "floor_ms": 18.0}, "elementwise": {"ms": 10.4, "floor_ms": 8.5},
+               "other": {"ms": 1.0, "floor_ms": None}, "all": {"ms": 32.0, "floor_ms": 26.5}}
     profile = {"config": {"model": "resmlp_s12", "crops": "2x32+8x16", "batch": 512},
                "phases": {"step eager": {"ms": 80.0, "images_per_s": 6400.0},
                           "step compiled": {"ms": 40.0, "images_per_s": 12800.0}},
-               "kernels_compiled": {"wall_ms": 40.2, "busy_ms": 38.1, "kernels_per_call": 812.0, "top": top}}
+               "rates": {"matmul": {"tflops": 720.4, "size": 8192, "dtype": "bfloat16", "repeats": [1]},
+                         "copy": {"tb_per_s": 4.3, "mbytes": 2048, "repeats": [1]}},
+               "kernels_compiled": {"wall_ms": 40.2, "busy_ms": 38.1, "kernels_per_call": 812.0,
+                                    "flops_per_call": 13.5e12, "classes": classes, "kernel_names": 25, "top": top}}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
     stage = ProfileStage("profile_preset", [], tmp_path, 120, status="done")
     stage.profile = profile_figures(tmp_path / "profile.json")
-    assert len(stage.profile["kernels_compiled"]["top"]) == PROFILE_TOP < 25
-    assert all(len(k["name"]) <= 160 for k in stage.profile["kernels_compiled"]["top"])
-    assert stage.profile["phases"] == profile["phases"] and stage.profile["kernels_compiled"]["busy_ms"] == 38.1
+    kept = stage.profile["kernels_compiled"]
+    assert len(kept["top"]) == 25 and all(k["class"] == "elementwise" for k in kept["top"])  # every kernel
+    assert all(len(k["name"]) <= 160 for k in kept["top"]) and kept["top"][0]["gb_per_call"] == 0.1235
+    assert kept["classes"] == classes and kept["flops_per_call"] == 13.5e12
+    assert stage.profile["rates"] == {"matmul": {"tflops": 720.4, "size": 8192, "dtype": "bfloat16"},
+                                      "copy": {"tb_per_s": 4.3, "mbytes": 2048}}
+    assert stage.profile["phases"] == profile["phases"] and kept["busy_ms"] == 38.1
     line = stage.describe()
-    assert "step compiled 40.0 ms (12800 img/s)" in line and "device busy 38.1 of 40.2 ms per call" in line
+    assert "step compiled 40.0 ms (12800 img/s)" in line and "busy 38.1 of 40.2 ms per call" in line
+    assert "GEMM 20.60 ms (floor 18.00), elementwise 10.40 ms (floor 8.50), other 1.00 ms" in line
     # in the stage's state, so in summary.json, and back from a carried report on a fresh machine
     fresh = tmp_path / "fresh"
     RE.restore(tmp_path, {"state": {"stages": {"profile_preset": stage.state()}, "calls": []}, "stages": []}, fresh, 2,
@@ -401,7 +538,7 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
     again = ProfileStage("profile_preset", [], fresh / "profile_preset", 120)
     again.take(S.read_state(fresh)["stages"]["profile_preset"])
     assert again.profile == stage.profile and again.status == "done"
-    # the k-NN's profile: its figures whole (a few lines), its top kernels short, its largest phases in the line
+    # the k-NN's profile: its figures whole (a few lines), its kernels, its largest phases in the line
     knn = {"seconds": 0.8, "first_s": 1.9, "phased_s": 0.81, "rounds": [{"candidates": 40, "queries": 50000}],
            "phases": {"pass: matmul": {"calls": 377, "device_ms": 120.0, "host_ms": 9.0},
                       "re-rank": {"calls": 13, "device_ms": 30.0, "host_ms": 2.0},
@@ -411,10 +548,10 @@ def test_a_profile_is_kept_short_in_the_summary_and_comes_back_on_a_fresh_machin
                                                        "kernels_knn": profile["kernels_compiled"]}))
     stage = ProfileStage("profile_knn", [], tmp_path, 60, status="done")
     stage.profile = profile_figures(tmp_path / "profile.json")
-    assert stage.profile["knn"] == knn and len(stage.profile["kernels_knn"]["top"]) == PROFILE_TOP
+    assert stage.profile["knn"] == knn and len(stage.profile["kernels_knn"]["top"]) == 25
     line = stage.describe()
     assert ("k-NN 0.800 s (first call 1.900 s, by phase 0.810 s: pass: block maxima, merge 500 ms, pass: matmul "
-            "120 ms, re-rank 30 ms)") in line and "knn: device busy 38.1 of 40.2 ms per call" in line
+            "120 ms, re-rank 30 ms)") in line and "knn: busy 38.1 of 40.2 ms per call" in line
 
 
 def test_a_stage_left_out_of_campaign_stages_keeps_its_files_in_the_report(tmp_path):
@@ -429,7 +566,7 @@ def test_a_stage_left_out_of_campaign_stages_keeps_its_files_in_the_report(tmp_p
     (carried / "summary.json").write_text(json.dumps({"state": state, "stages": [{"name": "preset",
                                                                                  "epochs_trained": 0.5}]}))
     out = tmp_path / "campaign"
-    c = Campaign(load_config("campaign", None, [*TINY, f"out={out}", "campaign.stages=[tests]",
+    c = Campaign(load_campaign([*TINY, f"out={out}", "campaign.stages=[tests]",
                                                 f"campaign.from_report={carried}"]))
     c.load()
     assert [s.name for s in c.stages] == ["tests"] and "preset starts again from epoch 0" in c.restored
@@ -464,25 +601,28 @@ def test_pytest_output_is_kept_test_by_test_and_a_cut_runs_only_the_rest():
     assert stage.status == "cut"
 
 
-def test_the_preset_is_graphed_only_when_the_graph_tests_passed():
+def test_the_preset_is_the_default_command_unless_a_graph_test_failed():
     tests = TestsStage("tests", [], Path("."), 5, status="done")
     graph = "tests/test_graphs.py"
     tests.outcomes = {f"{graph}::test_a": {"outcome": "passed"}, f"{graph}::test_b[True]": {"outcome": "passed"},
                       "tests/test_x.py::test_c": {"outcome": "failed"}}
-    assert graphs_decision(tests, graph, [])["on"] is True
+    passed = graphs_decision(tests, graph, [])
+    assert passed["add"] is None and passed["why"] == f"the default command: the 2 tests of {graph} passed"
     tests.outcomes[f"{graph}::test_c"] = {"outcome": "skipped", "message": "needs a CUDA GPU"}
     off = graphs_decision(tests, graph, [])
-    assert off["on"] is False and "1 of the 3" in off["why"] and "needs a CUDA GPU" in off["why"]
-    assert graphs_decision(None, graph, [])["why"].endswith("not in campaign.stages")
+    assert off["add"] == "dino.cuda_graphs=false" and "1 of the 3" in off["why"] and "needs a CUDA GPU" in off["why"]
+    assert graphs_decision(None, graph, [])["why"].endswith("not in campaign.stages)")
     tests.status = "cut"
-    assert graphs_decision(tests, graph, [])["on"] is False
-    assert graphs_decision(tests, graph, ["dino.cuda_graphs=false"])["on"] is None
+    assert graphs_decision(tests, graph, [])["add"] is None
+    assert graphs_decision(tests, graph, ["dino.cuda_graphs=true"])["add"] is None
     # decided once, at the preset's first start, and kept
-    tests.status, tests.outcomes = "done", {f"{graph}::test_a": {"outcome": "passed"}}
+    tests.status, tests.outcomes = "done", {f"{graph}::test_a": {"outcome": "failed"}}
     preset = PresetStage("preset", ["-m", "x"], Path("."), 5, config=(), tests=tests, graph_tests=graph)
-    assert preset.launch(0)[-1] == "dino.cuda_graphs=true"
-    tests.outcomes[f"{graph}::test_a"]["outcome"] = "failed"
-    assert preset.launch(0)[-1] == "dino.cuda_graphs=true"
+    assert preset.launch(0) == ["-m", "x", "dino.cuda_graphs=false"]
+    tests.outcomes[f"{graph}::test_a"]["outcome"] = "passed"
+    assert preset.launch(0)[-1] == "dino.cuda_graphs=false"
+    assert PresetStage("preset", ["-m", "x"], Path("."), 5, config=(), tests=tests, graph_tests=graph).launch(0) == \
+        ["-m", "x"]
 
 
 def test_a_budget_stage_ends_when_its_budget_is_spent():
@@ -536,8 +676,8 @@ def stage_branches(source: str, names: set, where: str = "<source>", constants: 
 def test_no_code_of_the_campaign_branches_on_a_stage_name():
     """A stage's kind decides what it does (stages.py); its name only picks its kind
     and keys, once, in the plan's table."""
-    names = set(OmegaConf.load(ROOT / "configs" / "method" / "campaign.yaml").limits["campaign.stages"])
-    _, stages = plan(load_config("campaign", None, ["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
+    names = set(OmegaConf.load(YAML).limits["campaign.stages"])
+    _, stages = plan(load_campaign(["campaign.stages=[" + ",".join(sorted(names)) + "]"]), ROOT)
     assert {s.name for s in stages} == names  # every name has a kind
     files = sorted(Path(C.__file__).parent.glob("*.py"))
     assert len(files) >= 8, files
@@ -560,7 +700,7 @@ def test_bench_lines_are_kept_across_stages_and_a_family_that_raised_is_not_done
     def run(*extra):
         return B.bench(load_config("bench", "resmlp_s12", [*base, *extra]))
     first = run("bench.rows=[knn]", "bench.tiny.knn.backends=[torch]")
-    assert [r["row"] for r in first["rows"]] == ["peak", "knn"]
+    assert [r["row"] for r in first["rows"]] == ["peak", "peak", "knn"]
     # another choice of lines (as the second bench stage makes): the first run's are kept, not measured again
     real = B.FAMILIES["knn"]
 
@@ -604,7 +744,7 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
         offset[0] += 100.0
         return real(*args, **kwargs)
     monkeypatch.setattr(engine, "save_checkpoint", slow_save)
-    tiny = load_config("campaign", None, TINY).campaign.tiny.preset
+    tiny = load_campaign(TINY).campaign.tiny.preset
     cfg = load_config("dino", "resmlp_s12", [*tiny, "data=imagefolder", f"data.root={tmp_path / 'images'}",
                                              f"out={tmp_path / 'run'}", "epochs=3", "eval_every=0", "ckpt_epochs=2"])
     summary = train(cfg)[3]
@@ -651,7 +791,7 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     assert main([*TINY, f"out={fresh}", f"campaign.report={taken}"]) == 2
     assert "holds other things (notes.txt)" in capsys.readouterr().err and not fresh.exists()
     # none yet (the first call): a new campaign, and it says so
-    c = Campaign(load_config("campaign", None, [*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))
+    c = Campaign(load_campaign([*TINY, f"out={fresh}", f"campaign.from_report={tmp_path / 'none'}"]))
     c.load()
     assert c.restored.startswith("no report in") and not fresh.exists()
     # through run.sh, whose campaign case sets up before any Python runs
@@ -722,7 +862,7 @@ def test_a_stop_at_an_epochs_last_iteration_still_evaluates_that_epoch(tmp_path,
     from resmlp.core.errors import Preempted
     from resmlp.ssl.train import train
     make_jpeg_folder(str(tmp_path / "images"), 48, 36, 48)
-    tiny = load_config("campaign", None, TINY).campaign.tiny.preset
+    tiny = load_campaign(TINY).campaign.tiny.preset
     cfg = load_config("dino", "resmlp_s12", [*tiny, "data=imagefolder", f"data.root={tmp_path / 'images'}",
                                              f"out={tmp_path / 'run'}", "ckpt_epochs=2"])
     real = engine.Cadence.after_iteration

@@ -53,7 +53,7 @@ def test_the_finder_sees_a_repeat_and_lets_a_branch_be():
 def test_no_module_repeats_a_keys_words():
     lists = all_choices()
     assert {"device", "precision", "launcher", "slurm.cluster", "data.decode", "knn.backend", "features.key",
-            "export.format", "linear.mode", "distill.type", "eval.data", "campaign.stages", "dino.local_crops",
+            "export.format", "linear.mode", "distill.type", "eval.data", "profile.phases", "dino.local_crops",
             "dino.augment", "dino.bottleneck_norm", "bench.profile", "demo", "dino.cuda_graphs"} <= lists.keys()
     found = [f"{path.relative_to(ROOT)}:{line} repeats {key}'s words ({choices(key)})"
              for folder in PACKAGE for path in sorted((ROOT / folder).rglob("*.py"))

@@ -77,3 +77,21 @@ def test_every_config_yaml_is_package_data_of_a_declared_package():
         patterns = tool["package-data"].get(package, [])
         assert any(fnmatch(path.name, p) for p in patterns), \
             f"{path.relative_to(REPO)}: no package-data pattern of {package!r} takes it"
+
+
+def test_the_measurement_harness_is_not_in_the_package():
+    """tools/ (the campaign, its YAML and README) is a tool of this repository: no package's
+    folder holds it, and no YAML the wheel carries (configs/) configures it."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tools = (REPO / "tools").resolve()
+    assert (tools / "campaign" / "campaign.yaml").is_file()
+    for folder in tool["package-dir"].values():
+        d = (REPO / folder).resolve()
+        assert d != tools and d not in tools.parents and tools not in d.parents, folder
+    carried = sorted((REPO / "configs").rglob("*.yaml"))
+    assert carried and not [p for p in carried if "campaign" in (yaml_keys(p))], "a configs/ YAML holds campaign keys"
+
+
+def yaml_keys(path: Path) -> set:
+    import yaml
+    return set(yaml.safe_load(path.read_text()) or {})

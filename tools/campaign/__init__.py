@@ -1,13 +1,15 @@
-"""The GPU campaign (`bash run.sh campaign`, README "Measuring on a GPU"): this project's
+"""The GPU campaign (`bash run.sh campaign`, tools/campaign/README.md): this project's
 whole measurement on a borrowed GPU machine, one resumable call after another. A tool for
 measuring the project, not a part of the installed package: run.sh puts tools/ on the
 import path and runs `python -m campaign`; the stages it runs are the package's commands.
 
   call.py      one call: the stages under the call's deadline and the window's, the report
-  plan.py      which stages, of which kind, with what keys (configs/method/campaign.yaml)
+  config.py    the campaign's keys: campaign.yaml beside it, through the package's loader
+  plan.py      which stages, of which kind, with what keys (campaign.yaml)
   stages.py    what every kind of stage shares, and when one may start
-  tests.py, bench.py, training.py   the kinds: the CUDA tests; bench lines and profiles;
-               the training runs (the preset, compare) and their predicted time (predict.py)
+  tests.py, bench.py, compiling.py, training.py   the kinds: the CUDA tests; bench lines and
+               profiles; compile_cost.py cold and warm; the training runs (the preset,
+               compare) and their predicted time (predict.py)
   state.py     what a call keeps for the next one on the same machine (campaign.json)
   report.py    what the report folder holds, and a fresh machine's start from a carried one
   folder.py    writing that folder within what a lent machine hands back

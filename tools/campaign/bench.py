@@ -1,11 +1,11 @@
 """The campaign's bench and profile stages. No torch import.
 
-A bench stage runs `bench` into the bench.json it shares with the other bench stage
+A bench stage runs `bench` into the bench.json it shares with the other bench stages
 (bench.resume): its lines are kept one by one, so it may start when its longest line fits,
 under a time limit that leaves its stop signal for the line in flight, and a line one stage
 measured is not measured again by the other. A profile stage runs bench/profile.py on one
-step; its profile.json, short, goes into its state (so into summary.json: the report has no
-room for another file).
+step; its profile.json (every kernel kept, by class, the numbers short) goes into its state
+(so into summary.json: the report has no room for another file).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from campaign.stages import Stage
 
-PROFILE_TOP = 15        # kernels per profiled step kept in summary.json
+NAME_CHARS = 160        # of a kernel's name in summary.json (C++ templates run to thousands)
 
 
 @dataclass(kw_only=True)
@@ -64,7 +64,7 @@ class BenchStage(Stage):
 
     def parts(self):
         f = self.figures
-        return [f"bench.json (both bench stages'): lines {f['lines']}, {f.get('left') or 0} left"] if f else []
+        return [f"bench.json (every bench stage's): lines {f['lines']}, {f.get('left') or 0} left"] if f else []
 
 
 @dataclass
@@ -88,26 +88,42 @@ class ProfileStage(Stage):
             parts.append(f"k-NN {knn['seconds']:.3f} s (first call {knn['first_s']:.3f} s, by phase "
                          f"{knn['phased_s']:.3f} s: " + ", ".join(f"{n} {v['device_ms']:.0f} ms" for n, v in big) + ")")
         for key in (k for k in prof if k.startswith("kernels_")):
-            k, top = prof[key], prof[key]["top"][:1]
-            parts.append(f"{key[8:]}: device busy {k['busy_ms']:.1f} of {k['wall_ms']:.1f} ms per call, "
-                         f"{k['kernels_per_call']:.0f} kernels" + (f", top {top[0]['name'][:60]} "
-                                                                   f"{top[0]['ms_per_call']:.2f} ms" if top else ""))
+            k = prof[key]
+            classes = ", ".join(f"{c} {v['ms']:.2f} ms" + ("" if v.get("floor_ms") is None else
+                                                           f" (floor {v['floor_ms']:.2f})")
+                                for c, v in k["classes"].items() if c != "all" and v["ms"])
+            parts.append(f"{key[8:]}: busy {k['busy_ms']:.1f} of {k['wall_ms']:.1f} ms per call, "
+                         f"{k['kernels_per_call']:.0f} kernels, {len(k['top'])} kept: {classes}")
         return parts
 
 
 def profile_figures(path: Path) -> dict | None:
-    """bench/profile.py's profile.json, short: its config, the time of each phase, the k-NN's
-    figures where it ran, and per profiled step (or k-NN) the wall and device-busy time per
-    call, the launches and the top kernels."""
+    """bench/profile.py's profile.json for the report: its config, the time of each phase,
+    the measured rates, the k-NN's figures where it ran, and per profiled step (or k-NN) the
+    wall and busy time per call, the launches, the classes against their floors and every
+    kernel the profile kept, with its class (names cut to NAME_CHARS)."""
     if not path.is_file():
         return None
     r = json.loads(path.read_text())
     out = {"config": r.get("config"), "phases": r.get("phases", {})}
+    if "rates" in r:
+        out["rates"] = {k: {f: v[f] for f in ("tflops", "tb_per_s", "size", "mbytes", "dtype", "spread") if f in v}
+                        for k, v in r["rates"].items()}
     if "knn" in r:   # its phases, rounds and timings: a few lines
         out["knn"] = r["knn"]
     for key in sorted(k for k in r if k.startswith("kernels_")):
         k = r[key]
-        out[key] = {**{f: round(k[f], 3) for f in ("wall_ms", "busy_ms", "kernels_per_call")},
-                    "top": [{"name": x["name"][:160], "ms_per_call": round(x["ms_per_call"], 4), "count": x["count"]}
-                            for x in k["top"][:PROFILE_TOP]]}
+        out[key] = {**{f: _short(k[f]) for f in ("wall_ms", "busy_ms", "kernels_per_call", "flops_per_call")},
+                    "classes": _short(k["classes"]),
+                    "top": [{"name": x["name"][:NAME_CHARS], "class": x["class"], "ms_per_call": _short(x["ms_per_call"]),
+                             "count": _short(x["count"]), "gb_per_call": _short(x["gb_per_call"])} for x in k["top"]]}
     return out
+
+
+def _short(value):
+    """Numbers to 4 significant digits, in dicts too: the report carries every kernel."""
+    if isinstance(value, dict):
+        return {k: _short(v) for k, v in value.items()}
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    return value

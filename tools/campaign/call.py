@@ -25,7 +25,7 @@ is left and whether to call again.
 Exit codes: 75 call again (a stage left can still run in this window), 0 nothing more to
 call for (every stage ended, or what is left needs another window), 1 the same and a stage
 failed (could not run), 2 bad input. The orchestrator imports no torch (except to check
-for CUDA and for Fashion-MNIST's size).
+for CUDA, for the preset's demo=auto, which is no demo on a GPU, and for Fashion-MNIST's size).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from pathlib import Path
 
 from campaign import report as R
 from campaign import state as S
+from campaign.config import YAML
 from campaign.folder import ReportError, write_report
 from campaign.folder import problem as report_problem
 from campaign.plan import not_asked, plan
@@ -76,7 +77,7 @@ class Campaign:
             raise UserError(f"campaign.report: {why}")
         if self.from_report and self.from_report.resolve() == self.report_dir.resolve():
             raise UserError(f"campaign.from_report and campaign.report are both {self.report_dir}: carry the last "
-                            "report in under another name (README, 'Measuring on a GPU')")
+                            "report in under another name (tools/campaign/README.md)")
         self.carried = R.read_report(self.from_report)  # checked now, before any work
         if self.carried is not None:
             S.check_same(self.carried["state"], str(c.profile), self.stages, self.dir, self.from_report)
@@ -233,7 +234,7 @@ class Campaign:
             return True
         argv = stage.launch(usable)
         stage.dir.mkdir(parents=True, exist_ok=True)
-        verb = stage.begin()
+        verb = stage.begin(need, why)
         if stage.start_note():
             self.say(f"{stage.name}: {stage.start_note()}")
         self.say(f"{stage.name} {verb} (run {stage.runs}): {shlex.join(['python', *argv])}")
@@ -245,6 +246,7 @@ class Campaign:
         stage.rc = rc
         record["ran"].append({"stage": stage.name, "rc": rc, "wall_s": round(took, 1)})
         stage.classify(rc, stopped_by)
+        stage.took(took)
         stage.after_run(took)
         note = f": {stage.note}" if stage.note else ""
         self.say(f"{stage.name}: {stage.status} after {took:.0f} s (exit {rc}){note}")
@@ -440,16 +442,12 @@ def run(cfg) -> int:
 
 
 # Not a command of the package (core/cli.py): a tool for measuring this project, which
-# borrows the command line's config, checks and one-line errors.
+# borrows the command line's config (its own YAML), checks and one-line errors.
 COMMAND = cli.Command("campaign.call:run", "the whole GPU measurement, one resumable call after another",
-                      writes="campaign.call:results_dir",
+                      writes="campaign.call:results_dir", method=str(YAML),
                       ignores={**cli.NO_FEATURES, "launcher": "it runs here, on the machine it is called on"})
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m campaign [key=value ...]` (run.sh's `campaign`)."""
-    cli.COMMANDS["campaign"] = COMMAND  # for this call only: the package's table stays the package's
-    try:
-        return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)])
-    finally:
-        cli.COMMANDS.pop("campaign", None)
+    return cli.main(["campaign", *(sys.argv[1:] if argv is None else argv)], commands={"campaign": COMMAND})

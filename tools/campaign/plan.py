@@ -1,15 +1,20 @@
 """The stages a campaign runs (call.py), in campaign.stages' order: which kind each
 one is (stages.py) and with what keys from the profile's settings
-(configs/method/campaign.yaml). No torch import.
+(tools/campaign/campaign.yaml). No torch import.
 
   tests           the CUDA-only tests (`pytest -m cuda`)
-  preset          `dino resmlp_s12` to its last epoch, graphed when the graph tests passed
-  bench_fused     the bench lines of the goals first: the fused step (compiled, with and
-                  without graphs, at batch 64 and the largest batch) beside the reference
-                  loop, and the device k-NN
-  profile_knn     bench/profile.py's k-NN phases at the bench's sizes: where that k-NN's time goes
-  profile_preset  bench/profile.py on the preset's (fused) step: time per phase, top kernels
+  profile_preset  bench/profile.py on the preset's (fused) step: time per phase, every kernel
+                  by class against its floor
   profile_224     the same on the 224 px step
+  preset          `dino resmlp_s12` to its last epoch, as a user types it (without graphs
+                  when a graph test failed)
+  torchrun        the bench's torchrun row: the step in a one-process torchrun job and in-process
+  compile         bench/compile_cost.py on the preset's model: the first iteration cold, then warm
+  e2e             the bench's e2e row: real-size JPEGs through the loader and the step
+  bench_fused     the bench lines of the goals: the fused step (compiled, with and without
+                  graphs, at batch 64 and the largest batch) beside the reference loop, and
+                  the device k-NN
+  profile_knn     bench/profile.py's k-NN phases at the bench's sizes: where that k-NN's time goes
   bench           the rest of the bench, in the same bench.json (no line measured twice)
   compare         the preset with campaign.compare_overrides, for compare_budget_s of stage time
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from campaign.bench import BenchStage, ProfileStage
+from campaign.compiling import RESULTS, CompileStage
 from campaign.stages import Stage
 from campaign.tests import TestsStage
 from campaign.training import PresetStage, TrainingStage
@@ -78,15 +84,25 @@ def table(cfg, campaign_dir: Path) -> tuple[dict, dict]:
         return ProfileStage(name, ["-m", "resmlp.bench.profile", *overrides, f"profile.out={d / name}"], d / name,
                             float(p["min_start_s"][name]))
 
+    def compile_cost(name):  # the preset's model and settings (its run's keys aside), one cache for both runs
+        cache = d / "compile_cache"
+        keys_of_cache = [k.replace("<cache>", str(cache)) for k in keys["compile_cache"]]
+        return CompileStage(name, ["-m", "resmlp.bench.compile_cost", *keys["compile_cost"], "--json",
+                                   str(d / name / RESULTS), *keys["preset"], *images, *mine, *keys_of_cache],
+                            d / name, float(p["min_start_s"][name]), cache=cache)
+
     return p, {
         "tests": lambda n: TestsStage(n, ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *keys["tests"]],
                                       d / n, float(p["min_start_s"][n])),
-        "preset": lambda n: training(PresetStage, n, preset, graph_tests=str(p["graph_tests"]), user_overrides=mine),
-        "bench_fused": lambda n: bench(n, keys["bench_fused"]),
-        "profile_knn": lambda n: profile(n, keys["profile_knn"]),
         # the preset's own step (its model, crops and batch) and the 224 px one, each profiled
         "profile_preset": lambda n: profile(n, [*keys["preset"], *mine, *keys["profile_preset"]]),
         "profile_224": lambda n: profile(n, keys["profile_224"]),
+        "preset": lambda n: training(PresetStage, n, preset, graph_tests=str(p["graph_tests"]), user_overrides=mine),
+        "torchrun": lambda n: bench(n, keys["torchrun"]),
+        "compile": compile_cost,
+        "e2e": lambda n: bench(n, keys["e2e"]),
+        "bench_fused": lambda n: bench(n, keys["bench_fused"]),
+        "profile_knn": lambda n: profile(n, keys["profile_knn"]),
         "bench": lambda n: bench(n, keys["bench_rest"]),
         "compare": lambda n: training(TrainingStage, n, [*preset, *map(str, as_list(c.compare_overrides))],
                                       budget_s=float(c.compare_budget_s)),

@@ -16,7 +16,7 @@ call. No torch import (except for Fashion-MNIST's size).
 
 Each term comes from the stage's own earlier attempt in this campaign where its log measured
 it (a resumed run, or one a fresh machine starts again), else from the profile's constants
-(`campaign.<profile>.predict`, measured on a GPU: configs/method/campaign.yaml says where);
+(`campaign.<profile>.predict`, measured on a GPU: tools/campaign/campaign.yaml says where);
 the launch always from the constants.
 """
 from __future__ import annotations

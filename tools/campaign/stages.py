@@ -6,7 +6,8 @@ back from a carried report and the figures it puts in the report:
 
   TestsStage     the CUDA-only tests, each test's result kept as it comes (tests.py)
   BenchStage     bench lines, kept one by one in a bench.json (bench.py)
-  ProfileStage   bench/profile.py on one step: time per phase, top kernels (bench.py)
+  ProfileStage   bench/profile.py on one step: time per phase, every kernel by class (bench.py)
+  CompileStage   bench/compile_cost.py's first iteration, cold then warm (compiling.py)
   TrainingStage  a DINO run to its last epoch, its time predicted before it starts; the
                  preset's PresetStage also decides on CUDA graphs (training.py)
 
@@ -15,7 +16,9 @@ plan.py says which stage of campaign.stages is of which kind, with what keys.
 Under a window (campaign.window_left_s) a stage starts only when it can end in what is left:
 a bench stage keeps its lines one by one, so one that fits its longest line may start; any
 other needs its whole time (a training stage its prediction, predict.py; the
-others their min_start_s, which is their whole run) before the call's stop signal.
+others their min_start_s, which is their whole run) before the call's stop signal. What a
+start needed and what the run took are kept side by side (`expected`), so that every
+estimate is checked by the window that runs it.
 """
 from __future__ import annotations
 
@@ -37,8 +40,11 @@ class Stage:
     wall_s: float = 0.0
     runs: int = 0
     figures: dict = field(default_factory=dict)  # what the report shows of its files (read_figures)
+    # what its last start needed (need_s, why: its requirement, an estimate or a prediction)
+    # and what that run took (took_s): the report holds both, to judge the estimates by
+    expected: dict | None = None
 
-    KEPT = ("status", "note", "rc", "wall_s", "runs")  # what campaign.json keeps between calls
+    KEPT = ("status", "note", "rc", "wall_s", "runs", "expected")  # what campaign.json keeps between calls
 
     # ---- state ------------------------------------------------------------------------------
     def ended(self) -> bool:
@@ -72,10 +78,14 @@ class Stage:
         return self.min_start_s, f"min_start_s={self.min_start_s:g}"
 
     # ---- a run ------------------------------------------------------------------------------
-    def begin(self) -> str:
-        """Mark a run as started; the verb for the call's line."""
+    def begin(self, need_s: float, why: str) -> str:
+        """Mark a run as started, with what it needed to start; the verb for the call's line."""
         self.status, self.runs, self.note = "running", self.runs + 1, ""
+        self.expected = {"need_s": round(need_s, 1), "why": why}
         return "starts" if self.runs == 1 else "continues"
+
+    def took(self, seconds: float) -> None:
+        self.expected = {**(self.expected or {}), "took_s": round(seconds, 1)}
 
     def launch(self, usable_s: float) -> list:
         """The argv for this start, `usable_s` seconds before its stop signal."""
@@ -123,7 +133,9 @@ class Stage:
 
     def describe(self) -> str:
         """One line of the call's closing table."""
-        return "; ".join([*self.parts(), *([self.note] if self.note else [])]) or "-"
+        e = self.expected or {}
+        time = [f"needed {e['need_s']:.0f} s to start ({e['why']}), took {e['took_s']:.0f} s"] if "took_s" in e else []
+        return "; ".join([*self.parts(), *time, *([self.note] if self.note else [])]) or "-"
 
     def parts(self) -> list:
         return []

@@ -7,7 +7,8 @@ A stop signal makes the trainer save a checkpoint and exit 75; the next call on 
 machine resumes from it. A fresh machine continues from a carried report: the stage that
 was under way starts again from epoch 0 (its checkpoint stayed behind), and its earlier
 attempts stay in its log, after which a line {"restart": n} starts the next. The preset
-runs with CUDA graphs when the graph tests passed in this campaign (PresetStage).
+runs as a user types it, without CUDA graphs only when a graph test failed in this
+campaign (PresetStage).
 """
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ class TrainingStage(Stage):
         return need, f"predicted {predicted['need_s']:.0f} s"
 
     # ---- a run ------------------------------------------------------------------------------
-    def begin(self):
-        verb = super().begin()
+    def begin(self, need_s, why):
+        verb = super().begin(need_s, why)
         if self.runs > 1 and self.restart:
             verb = f"starts again from epoch 0 (attempt {self.attempt})"
         self.restart = False
@@ -173,9 +174,6 @@ class TrainingStage(Stage):
             parts.append(f"final k-NN {f['results']['knn_top1']:.2f}; training {t.get('train_s', 0):.0f} s over "
                          f"{len(t.get('starts', []))} start(s), uninterrupted about "
                          f"{t.get('uninterrupted_s', 0):.0f} s")
-        if self.prediction:  # beside what its last run took, to judge the constants by
-            took = self.prediction.get("took_s")
-            parts.append(f"predicted {self.prediction['need_s']:.0f} s" + (f", took {took:.0f} s" if took else ""))
         return parts
 
 
@@ -191,19 +189,21 @@ def _attempt(records: list) -> dict:
 
 @dataclass(kw_only=True)
 class PresetStage(TrainingStage):
-    """The preset: graphed (dino.cuda_graphs=true) when the tests stage passed every test of
-    graph_tests, decided at its first start and kept (a resumed run keeps its config)."""
+    """The preset: the command a user types, its graphs as dino.cuda_graphs' default decides,
+    except after a graph test failed in this campaign (dino.cuda_graphs=false then: a capture
+    that fails must not cost the window its preset); decided at its first start and kept (a
+    resumed run keeps its config)."""
     tests: TestsStage | None = None  # the campaign's tests stage, if campaign.stages has one
     graph_tests: str = ""
     user_overrides: list = ()       # campaign.preset_overrides: the user's own dino.cuda_graphs wins
-    graphs: dict | None = None      # {"on": bool | None, "why": str}
+    graphs: dict | None = None      # {"add": the key added, or None, "why": str}
 
     KEPT = (*TrainingStage.KEPT, "graphs")
 
     def launch(self, usable_s):
         if self.graphs is None:
             self.graphs = graphs_decision(self.tests, self.graph_tests, list(self.user_overrides))
-        return [*self.argv, *(["dino.cuda_graphs=true"] if self.graphs["on"] else [])]
+        return [*self.argv, *([self.graphs["add"]] if self.graphs["add"] else [])]
 
     def start_note(self):
         return self.graphs["why"]
@@ -213,18 +213,19 @@ class PresetStage(TrainingStage):
 
 
 def graphs_decision(tests: TestsStage | None, graph_tests: str, preset_overrides: list) -> dict:
-    """{"on": graph the preset?, "why": one line for the report}: on when the tests stage
-    ended with every test of `graph_tests` passed (the user's own key wins)."""
+    """{"add": a key for the preset's command or None, "why": one line for the report}:
+    dino.cuda_graphs=false when the tests stage ended with a test of `graph_tests` that did
+    not pass; else nothing (the user's own key wins too)."""
     if any(str(o).startswith("dino.cuda_graphs=") for o in preset_overrides):
-        return {"on": None, "why": "dino.cuda_graphs as campaign.preset_overrides sets it"}
+        return {"add": None, "why": "dino.cuda_graphs as campaign.preset_overrides sets it"}
     if tests is None or tests.status != "done":
         why = "the tests stage is not in campaign.stages" if tests is None else "the tests stage had not ended"
-        return {"on": False, "why": f"without dino.cuda_graphs: {why}"}
+        return {"add": None, "why": f"the default command ({why})"}
     ran, bad = tests.passed_all(graph_tests)
     if not ran:
-        return {"on": False, "why": f"without dino.cuda_graphs: no test of {graph_tests} ran"}
+        return {"add": None, "why": f"the default command (no test of {graph_tests} ran)"}
     if bad:
         seen = sorted({f"{v['outcome']}" + (f" ({v['message']})" if v.get("message") else "") for v in bad.values()})
-        return {"on": False, "why": f"without dino.cuda_graphs: {len(bad)} of the {ran} tests of {graph_tests} "
-                                    f"did not pass: {'; '.join(seen)[:200]}"}
-    return {"on": True, "why": f"with dino.cuda_graphs=true: the {ran} tests of {graph_tests} passed"}
+        return {"add": "dino.cuda_graphs=false", "why": f"with dino.cuda_graphs=false: {len(bad)} of the {ran} tests "
+                                                        f"of {graph_tests} did not pass: {'; '.join(seen)[:200]}"}
+    return {"add": None, "why": f"the default command: the {ran} tests of {graph_tests} passed"}
