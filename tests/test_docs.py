@@ -188,10 +188,13 @@ def configs_of(command: str, model: str | None, data: str | None) -> tuple:
 
 @lru_cache(maxsize=None)
 def every_config() -> tuple:
-    """The configs of every command on every data set, and of run.sh's tools."""
+    """The configs of every command on every data set, of run.sh's tools, and the method files
+    of the modules that are run with `python -m` (bench/profile.py's profile.yaml)."""
     tools = listed_commands() - set(cli.COMMANDS) - {"help", "test"}
+    modules = sorted(p for p in (CONFIG_DIR / "method").glob("*.yaml") if p.stem not in cli.COMMANDS)
     return tuple(c for command in cli.COMMANDS for data in available("data") for c in configs_of(command, None, data)) \
-        + tuple(c for tool in sorted(tools) for c in configs_of(tool, None, None))
+        + tuple(c for tool in sorted(tools) for c in configs_of(tool, None, None)) \
+        + tuple(OmegaConf.load(p) for p in modules)
 
 
 ABSENT = object()
