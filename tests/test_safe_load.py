@@ -177,6 +177,14 @@ def test_weights_trust_loads_a_trusted_file(world, capsys):
         assert load_checkpoint(path)["provenance"] == Provenance("our lab")
 
 
+def test_weights_trust_changes_no_result():
+    """A finished run asked for again with weights_trust=true is the run asked for."""
+    from resmlp.core.config import to_dict
+    from resmlp.core.engine import settings_differences
+    asked = [to_dict(load_config("dino", "resmlp_s12", ["demo=false", *trust])) for trust in ([], [f"{TRUST_KEY}=true"])]
+    assert asked[1][TRUST_KEY] is True and settings_differences(*asked) == []
+
+
 def test_a_command_that_reads_no_weights_does_not_take_weights_trust(tmp_path, capsys):
     assert main(["data", f"{TRUST_KEY}=true", f"out={tmp_path / 'out'}"]) == 2
     assert f"does not read {TRUST_KEY}" in one_line_error(capsys)
