@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from resmlp.core import preempt
-from resmlp.core.checkpoint import check_writable
+from resmlp.core.checkpoint import TRUST_KEY, check_writable, trusting
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
 from resmlp.core.outdir import check_cache_dir, check_out_dir, shown
 from resmlp.core.weights import FORMS, WeightsSpec
@@ -43,6 +43,8 @@ NO_KNN = {"knn": "it runs no k-NN"}
 NO_FEATURES = {**NO_KNN, "features": "it extracts no frozen features"}
 NO_FEATURE_FILES = {f"features.{k}": "it writes no feature cache and takes the network from training"
                     for k in ("key", "cache", "cache_dir", "pretrained")}
+# What the commands that read no weights file never read.
+NO_WEIGHTS = {**NO_FEATURES, TRUST_KEY: "it reads no weights file"}
 # What no command reads when it runs here (launcher=local): the job it would submit.
 RUNS_HERE = {"slurm": "launcher=local runs it here, not as a SLURM job: add launcher=slurm to submit one"}
 
@@ -75,9 +77,9 @@ COMMANDS = {
                       ignores={**FROM_CHECKPOINT, **NO_KNN, **{f"features.{k}": "it extracts no features"
                                                                for k in ("batch_size", "cache", "cache_dir")}}),
     "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)",
-                    writes="resmlp.data.inspect:results_dir", ignores=NO_FEATURES),
+                    writes="resmlp.data.inspect:results_dir", ignores=NO_WEIGHTS),
     "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model",
-                     writes="resmlp.bench.bench:results_dir", ignores=NO_FEATURES),
+                     writes="resmlp.bench.bench:results_dir", ignores=NO_WEIGHTS),
 }
 
 
@@ -163,7 +165,8 @@ def build(argv: list[str], commands: dict = COMMANDS):
     elif cmd.positional == "checkpoint":
         if positional is None:
             raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} {FORMS}")
-        base = WeightsSpec.parse(positional).saved_config()
+        with trusting(trusted(rest)):  # read before the config exists: its saved config is the base
+            base = WeightsSpec.parse(positional).saved_config()
         extra = [f"checkpoint={positional}"]
     elif positional is not None:
         raise UserError(f"`{name}` takes only key=value arguments, not {positional!r}")
@@ -171,6 +174,13 @@ def build(argv: list[str], commands: dict = COMMANDS):
     if cfg.launcher == "local":
         check_read(name, replace(cmd, ignores=RUNS_HERE), rest)
     return cmd, cfg
+
+
+def trusted(overrides: list[str]) -> bool:
+    """Whether the command line says weights_trust=true, for the checkpoint read before the
+    config is built (load_config checks the value itself)."""
+    from resmlp.core.config import _given
+    return _given(overrides, TRUST_KEY, False) is True
 
 
 def check_writes(name: str, cmd: Command, cfg, commands: dict = COMMANDS) -> None:
@@ -244,7 +254,8 @@ def main(argv: list[str] | None = None, run=None, commands: dict | None = None) 
                 if e.name and e.name.startswith("resmlp"):
                     raise UserError(f"command {argv[0]!r} is not available in this version") from None
                 raise
-        return int(run(cfg) or 0)
+        with trusting(bool(cfg[TRUST_KEY])):  # core.checkpoint: which files load as they are
+            return int(run(cfg) or 0)
     except Finished as e:
         print(e, flush=True)
         return 0

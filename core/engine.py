@@ -32,8 +32,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from resmlp.core import dist, preempt
-from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, load_checkpoint, rng_state, save_checkpoint,
-                                    set_rng_state)
+from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, UnsafeFile, load_checkpoint, rng_state,
+                                    save_checkpoint, set_rng_state)
 from resmlp.core.config import save_config, to_dict
 from resmlp.core.errors import Finished, Preempted, RunFailed, UserError
 from resmlp.core.lock import RunLock, release_all
@@ -65,7 +65,8 @@ INPUTS_NAME = "inputs.json"
 RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "log_every_s", "ckpt_every",
                 "ckpt_epochs", "eval_every", "eval_batch_size", "device", "compile", "dino.cuda_graphs", "demo",
                 "demo_overrides", "demo_data_overrides", "launcher", "slurm", "save_rank_weights",
-                "features.batch_size", "features.cache", "features.cache_dir", "data.download", *RESUME_MAY_CHANGE)
+                "features.batch_size", "features.cache", "features.cache_dir", "data.download", "weights_trust",
+                *RESUME_MAY_CHANGE)
 
 
 def seed_everything(seed: int) -> None:
@@ -296,6 +297,8 @@ class Run:
         if self._checked_resume:
             self._agree(self._input_problem)  # rank 0 hashes the input file
             self._stop_if_finished()
+        # read before any work: a refused checkpoint (core.checkpoint: not weights only) leaves the dir as it was
+        self._resume = self._latest_checkpoint() if self._checked_resume else None
         self.logger: JsonlLogger | None = None
         self.started = time.time()
         self.interactive = sys.stderr.isatty() and self.is_main
@@ -408,6 +411,8 @@ class Run:
                 state = load_checkpoint(path, map_location="cpu")
                 if "iteration" not in state or "rng" not in state:
                     raise UserError(f"{path} is not a run checkpoint (no iteration or RNG state)")
+            except UnsafeFile:
+                raise  # refused, not damaged: the previous one is no more to be trusted
             except UserError as e:
                 problems.append(str(e))
                 continue
@@ -421,7 +426,8 @@ class Run:
         """The checkpoint to continue from (resume=auto and one exists), else None."""
         if not self._checked_resume:
             return None
-        state, path = self._latest_checkpoint()
+        state, path = self._resume or self._latest_checkpoint()
+        self._resume = None   # the run holds it from here
         self.print(f"resuming from {path} (epoch {state.get('epoch')}, iteration {state.get('iteration')})")
         return state
 

@@ -1,7 +1,7 @@
 """Weights specs: the weights a command is told to start from or evaluate, parsed once.
 
     <run dir>                  this project's run directory (its checkpoint.pth)
-    <file>                     a torch checkpoint file (what it may hold: resmlp.models.load)
+    <file>                     a torch checkpoint or .safetensors file (what it may hold: resmlp.models.load)
     timm:<name>                timm's model <name> with its pretrained weights
     timm:<name>?random         the same architecture with random weights (no download)
     timm:<name>?pretrained     its pretrained weights, whatever the command asks for by default

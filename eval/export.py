@@ -114,7 +114,7 @@ def timm_entry(arch: Mapping, img, fmt: str, file: str) -> dict:
     kwargs = {"num_classes": 0, "img_size": img, "patch_size": arch["patch_size"], "embed_dim": arch["dim"],
               "num_blocks": arch["depth"], "mlp_ratio": arch.get("mlp_ratio", 4.0), "in_chans": arch.get("in_chans", 3)}
     names = ["MlpMixer", *TIMM_LAYERS.values()] + (["checkpoint_filter_fn"] if fmt == "official" else [])
-    weights = f"torch.load({file!r}, map_location='cpu')"
+    weights = f"torch.load({file!r}, map_location='cpu', weights_only=True)"
     if fmt == "official":  # timm's own converter of the official keys
         weights = f"checkpoint_filter_fn({weights}, model)"
     build = ", ".join([f"{k}={v!r}" for k, v in kwargs.items()] + [f"{k}={v}" for k, v in TIMM_LAYERS.items()])

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core import dist, preempt
-from resmlp.core.checkpoint import atomic_write
+from resmlp.core.checkpoint import atomic_write, read_file
 from resmlp.core.compiling import uncompiled
 from resmlp.core.errors import UserError
 from resmlp.eval import memory
@@ -281,7 +281,7 @@ def cache_path(cache_dir, key: Mapping) -> Path:
 
 def _load_cached(path: Path, key: Mapping):
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = read_file(path)  # weights only, whatever weights_trust says: a cache is never trusted
     except Exception:  # noqa: BLE001 - a truncated or foreign file: extract again
         return None
     same = lambda a: json.dumps(a, sort_keys=True, default=str)  # noqa: E731

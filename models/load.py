@@ -7,7 +7,9 @@
                              a built backbone, its patch grid adapted, the DINO head alongside
 
 Run state (optimizer, RNG, resume) is written and read by resmlp.core.checkpoint;
-this module reads the weights out of such files and out of everyone else's.
+this module reads the weights out of such files and out of everyone else's. Every file is
+opened by core.checkpoint's load_checkpoint: weights only, nothing in a file runs (weights_trust=true for
+a file from a trusted source that needs more).
 
 Accepted `spec`s (resmlp.core.weights.WeightsSpec parses them; each entry point takes the
 parsed spec or its text):
@@ -20,6 +22,7 @@ parsed spec or its text):
         - an official DINO checkpoint: {'teacher' / 'student': {'module.backbone.*', ...}}
         - a timm or official (facebookresearch/deit) ResMLP state_dict, bare or wrapped
           in {'model': ...} (DeiT) or {'state_dict': ...}
+    <file>.safetensors         a state_dict in safetensors' format (timm's, this project's export)
     timm:<name>                timm.create_model(name) with its pretrained weights
     timm:<name>?random         the same architecture with random weights (no download;
                                for smoke tests and for checking a pipeline)

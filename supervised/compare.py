@@ -35,11 +35,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from resmlp.core import dist
+from resmlp.core.checkpoint import load_checkpoint
 from resmlp.core.config import load_config, save_config, to_dict
 from resmlp.core.engine import (INPUT_KEYS, command, default_run_name, input_changed, other_run, record_inputs,
                                 settings_differences)
 from resmlp.core.errors import UserError
-from resmlp.core.weights import ANY, names_timm
+from resmlp.core.weights import ANY, WeightsSpec, names_timm
 from resmlp.data.datasets import fit_demo_subset
 
 # Training paths of the table, in the paper's order.
@@ -191,6 +192,8 @@ def run_step(step: Step, sub_cfg) -> dict:
 def check_all(cfg, steps: list[Step]) -> None:
     """Every path's config, and its finished run if there is one, checked before the first
     path trains: a bad key for the fifth path fails now, not after four trainings."""
+    if not teacher_is_trained_here(cfg) and not names_timm(str(cfg.compare.teacher)):
+        load_checkpoint(WeightsSpec.parse(str(cfg.compare.teacher)).file)  # a file refused as not weights only, now
     made: dict[Path, dict] = {}
     for step in steps:
         try:
