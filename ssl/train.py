@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from resmlp.core.compile_cache import open_compile_cache
 from resmlp.core.engine import Cadence, Run, command, progress, run_dir
 from resmlp.data import build_dataset, train_split_for_ssl
 from resmlp.data.crop_plan import build_views, crop_plan
@@ -86,6 +87,7 @@ def train(cfg, hooks: DinoHooks | None = None):
     judge.begin(run, cadence, teacher.backbone, results, start, start_it)
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     run.print(describe_run(cfg, run, plan, len(dataset), ipe, judge))
+    compile_cache = open_compile_cache(cfg, run, (student, teacher), step.graphed is not None, plan.label())
 
     # ---- the loop -------------------------------------------------------------------------
     it = start_it
@@ -105,6 +107,7 @@ def train(cfg, hooks: DinoHooks | None = None):
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 record = {**cadence.log_record(it), **sched.record(it - 1)}
                 log_line(run, record, bar, f"ep {epoch + 1}/{E} it {it}/{E * ipe} ", collapse)
+                compile_cache.save()  # what the step compiled since the last save (core/compile_cache.py)
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
