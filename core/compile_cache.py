@@ -115,16 +115,10 @@ def cache_folder(cfg, run_dir) -> Path:
     return Path(named).expanduser() if named else Path(run_dir) / FOLDER_NAME
 
 
-def differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+def differences(theirs: dict, ours: dict) -> list[str]:
     """'field: theirs -> ours' for every field of two keys that differs, nested ones dotted."""
-    out = []
-    for k in sorted(set(theirs) | set(ours), key=str):
-        a, b = theirs.get(k, "<unset>"), ours.get(k, "<unset>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a} -> {b}")
-    return out
+    from resmlp.core.engine import config_differences
+    return config_differences(theirs, ours, keys=sorted(set(theirs) | set(ours)), skip=())
 
 
 def _held(info) -> set:
@@ -148,11 +142,14 @@ def _one_batch_per_kind(data: bytes) -> bytes:
     except ImportError:
         return data
     merged: dict = {}
-    for kind, artifacts in AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache):
-        merged.setdefault(kind, []).extend(artifacts)
-    out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
-    out.extend(merged.items())
-    return out.to_bytes()
+    try:
+        for kind, artifacts in AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache):
+            merged.setdefault(kind, []).extend(artifacts)
+        out = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+        out.extend(merged.items())
+        return out.to_bytes()
+    except Exception:  # a torch whose helpers changed shape: its own bytes, as torch made them
+        return data
 
 
 @contextlib.contextmanager
@@ -211,8 +208,8 @@ class CompileCache:
                 info = torch.compiler.load_cache_artifacts(data)
             if info is None:
                 raise ValueError("torch could not read its artifacts")
-        except (OSError, ValueError, TypeError, RuntimeError, EOFError) as e:
-            problem = getattr(e, "strerror", None) or str(e)
+        except Exception as e:  # whatever a damaged cache makes torch raise: one line, never the run's end
+            problem = getattr(e, "strerror", None) or str(e) or type(e).__name__
         if problem:
             self.say(f"compile cache: {self.record} is unreadable or damaged ({problem}): ignored; the first "
                      "iteration compiles and replaces it")
@@ -255,13 +252,14 @@ class CompileCache:
         data = _one_batch_per_kind(data)
         record = {"key": self.key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                   "artifacts": _counts(info)}
+        then = "free some space or set compile_cache_dir to another folder"
         try:  # the bytes first: a record names only bytes that are complete on disk
-            with atomic_write(self.bin, what="the compile cache") as f:
+            with atomic_write(self.bin, what="the compile cache", then=then) as f:
                 f.write(data)
-            with atomic_write(self.record, "w", what="the compile cache's record") as f:
+            with atomic_write(self.record, "w", what="the compile cache's record", then=then) as f:
                 json.dump(record, f, indent=1)
         except RunFailed as e:
-            self.say(f"warning: {e}; the run goes on, and its next start compiles again")
+            self.say(f"warning: {e} (the run goes on; its next start compiles again)")
             self.writer = False
             return False
         self.held = held
