@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from resmlp.core.compile_cache import open_compile_cache
 from resmlp.core.engine import Cadence, Run, command, progress, run_dir
 from resmlp.data import build_dataset, train_split_for_ssl
 from resmlp.data.crop_plan import build_views, crop_plan
@@ -52,7 +53,6 @@ def train(cfg, hooks: DinoHooks | None = None):
     lists = FileLists(run_dir(cfg))  # a folder is scanned once per run dir: a resumed run reads its list
     fitted = fit_demo_subset(cfg, lists)
     run = Run(cfg)
-    device = run.device
     start = continuing(cfg, run, hooks)  # dino.init: where the weights start (ssl/init.py), checked first
 
     # ---- data: the multi-crop views of the training split ----------------------------------
@@ -67,7 +67,7 @@ def train(cfg, hooks: DinoHooks | None = None):
     judge.warn(run)
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, plan, device, run.scaler, run.autocast, run.world_size, hooks, start)
+    step = build_dino_step(cfg, plan, run.device, run.scaler, run.autocast, run.world_size, hooks, start)
     if hooks.step:
         hooks.step(step, cfg)
     student, teacher = step.student, step.teacher
@@ -86,6 +86,7 @@ def train(cfg, hooks: DinoHooks | None = None):
     judge.begin(run, cadence, teacher.backbone, results, start, start_it)
     run.reset_peak_memory()  # the peak of training, not of the k-NN's feature extraction
     run.print(describe_run(cfg, run, plan, len(dataset), ipe, judge))
+    compile_cache = open_compile_cache(cfg, run, (student, teacher), step.graphed is not None, plan.label())
 
     # ---- the loop -------------------------------------------------------------------------
     it = start_it
@@ -95,7 +96,7 @@ def train(cfg, hooks: DinoHooks | None = None):
         bar = progress(loader, total=len(sampler) // run.batch_per_rank, desc=f"epoch {epoch + 1}/{E}",
                        enabled=run.interactive)
         for batch in bar:
-            crops = views.to_device(batch, device)
+            crops = views.to_device(batch, run.device)
             step(crops, *sched.at(it), epoch)
             it += 1
             cadence.count(cfg.batch_size)
@@ -104,7 +105,7 @@ def train(cfg, hooks: DinoHooks | None = None):
             #    when its clock decides, else after_iteration; a stop signal on any rank stops all there
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 record = {**cadence.log_record(it), **sched.record(it - 1)}
-                log_line(run, record, bar, f"ep {epoch + 1}/{E} it {it}/{E * ipe} ", collapse)
+                log_line(run, record, bar, f"ep {epoch + 1}/{E} it {it}/{E * ipe} ", collapse, compile_cache)
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
@@ -138,9 +139,10 @@ def describe_run(cfg, run, plan, n_images: int, ipe: int, judge) -> str:
             f"{plan.label()} px ({plan.strategy}, made on the {cfg.dino.augment}), run dir {run.dir}")
 
 
-def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch) -> None:
+def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch, compile_cache) -> None:
     """A log record into log.jsonl and TensorBoard, shown as the progress bar's loss or as a
-    printed line after `where`; the collapse watch reads its KL."""
+    printed line after `where`; the collapse watch reads its KL; what the step compiled since
+    the last line goes into the compile cache (core/compile_cache.py: after the first, all of it)."""
     run.log(record, step=record["iteration"])
     if run.interactive:
         bar.set_postfix(loss=f"{record['loss']:.3f}")
@@ -150,6 +152,7 @@ def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch) -> Non
     warning = collapse.update(record["teacher_kl_mean"])
     if warning:
         run.print(f"warning: {warning}")
+    compile_cache.save()
 
 
 def summarize(run, cfg, results: dict, teacher, images_per_s: float, judge) -> dict:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from timm.data import create_transform
 
 from resmlp.core import dist
+from resmlp.core.compile_cache import open_compile_cache
 from resmlp.core.compiling import uncompiled
 from resmlp.core.engine import Cadence, Run, command, progress
 from resmlp.core.errors import UserError
@@ -260,6 +261,7 @@ def train(cfg):
     results.setdefault("history", [])
     cadence = Cadence(run, ipe, start_it, results, {**state, "num_classes": n_classes}, tally=step.tally, plan=plan)
     run.print(describe_run(cfg, run, n_params, len(dataset), n_classes, E, ipe, base_lr))
+    compile_cache = open_compile_cache(cfg, run, (step.model,))
 
     # ---- the loop ---------------------------------------------------------------------------------
     it = start_it
@@ -277,6 +279,7 @@ def train(cfg):
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 log_line(run, {**cadence.log_record(it), "lr": lr_sched[it - 1]}, bar,
                          f"ep {epoch + 1}/{E} it {it}/{E * ipe}")
+                compile_cache.save()  # what the step compiled since the last save (core/compile_cache.py)
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)

@@ -312,7 +312,7 @@ def test_compile_cost_times_each_mode_in_a_fresh_process(tmp_path, capsys):
     assert list(json.loads(out.read_text())) == ["eager"] and len(json.loads(out.read_text())["eager"]) == 2
     assert compile_cost.main(["--modes", "eager,fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["compile_cost: --modes fast is not one of eager, whole, regional"]
+    assert err == ["compile_cost: --modes fast is not one of eager, whole, regional, warm"]
 
 
 # ---- the whole profile: every kernel in its class, each class against its floor --------------------
