@@ -407,27 +407,28 @@ def test_a_window_runs_the_tests_the_profiles_the_preset_and_torchrun_and_leaves
 
 
 def test_the_new_stages_run_the_bench_rows_and_compile_cost_of_the_preset(tmp_path):
-    _, stages = plan(load_campaign([f"out={tmp_path}", "campaign.gpu.compile_cache=[compile.cache_dir=<cache>]"]),
-                     tmp_path)
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     for name, row, line_s in (("torchrun", "torchrun", 60), ("e2e", "e2e", 45)):
         stage = by[name]
         assert isinstance(stage, BenchStage) and stage.dir == by["bench"].dir and stage.line_s == line_s
         assert f"bench.rows=[{row}]" in stage.argv and "bench.resume=true" in stage.argv
-    # compile: bench/compile_cost.py on the preset's keys, twice (cold, then warm), one cache emptied at its start
+    # compile: bench/compile_cost.py on the preset's keys, cold (regional saves the cache), then warm (loads it),
+    # one cache emptied at its start
     c = by["compile"]
     assert isinstance(c, CompileStage) and c.min_start_s == 150
-    assert c.argv == ["-m", "resmlp.bench.compile_cost", "--modes", "regional,regional", "--steps", "3", "--json",
+    assert c.argv == ["-m", "resmlp.bench.compile_cost", "--modes", "regional,warm", "--steps", "3", "--json",
                       str(tmp_path / "compile" / "compile_cost.json"), "device=cuda", "ckpt_epochs=10",
-                      f"compile.cache_dir={tmp_path / 'compile_cache'}"]
+                      f"compile_cache_dir={tmp_path / 'compile_cache'}"]
     c.cache.mkdir(parents=True)
     (c.cache / "blob.bin").write_bytes(b"x")
     assert c.launch(100) == c.argv and not c.cache.exists()   # cold at every start
     c.dir.mkdir(parents=True)
     runs = [{"mode": "regional", "first_s": 39.5, "steady_s": 0.074, "compile_s": 39.4, "build_s": 2.0,
              "process_s": 60.0, "graphs": 3, "seconds": [39.5, 0.074]},
-            {"mode": "regional", "first_s": 12.0, "steady_s": 0.074, "compile_s": 11.9, "build_s": 2.0,
-             "process_s": 30.0, "graphs": 3, "seconds": [12.0, 0.074]}]
+            {"mode": "warm", "first_s": 12.0, "steady_s": 0.074, "compile_s": 11.9, "build_s": 2.0,
+             "process_s": 30.0, "graphs": 3, "seconds": [12.0, 0.074],
+             "cache": {"load_s": 0.1, "fxgraph_hit": 5, "fxgraph_miss": 0}}]
     (c.dir / "compile_cost.json").write_text(json.dumps(runs))
     c.status = "done"
     c.after_run(95.0)
@@ -435,8 +436,9 @@ def test_the_new_stages_run_the_bench_rows_and_compile_cost_of_the_preset(tmp_pa
     assert "cold: first iteration 39.5 s" in c.describe() and "warm: first iteration 12.0 s" in c.describe()
     c.took(95.0)
     assert c.state()["cost"] == c.cost and c.state()["expected"]["took_s"] == 95.0
-    # no key for the cache (until the compile cache is in): the same command, cold twice
-    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
+    assert c.cost["warm"]["cache"]["fxgraph_hit"] == 5
+    # no key for the cache: the same command without it
+    _, stages = plan(load_campaign([f"out={tmp_path}", "campaign.gpu.compile_cache=[]"]), tmp_path)
     assert not any("cache" in a for a in {s.name: s for s in stages}["compile"].argv)
 
 

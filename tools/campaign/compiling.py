@@ -16,7 +16,7 @@ from campaign.stages import Stage
 
 RESULTS = "compile_cost.json"   # compile_cost.py's --json, in the stage's folder
 KEPT_FIGURES = ("mode", "device", "crops", "batch", "precision", "build_s", "first_s", "steady_s", "compile_s",
-                "dynamo_compile_s", "process_s", "graphs", "frames", "kernels")
+                "dynamo_compile_s", "process_s", "graphs", "frames", "kernels", "cache")
 RUNS = ("cold", "warm")
 
 
