@@ -6,8 +6,8 @@ Fashion-MNIST preset by default; any `dino` command override works, e.g.
 each phase of the trainer's iteration alone, at the trainer's batch:
 
   loader      the trainer's DataLoader (workers decode and collate), no device work
-  augment     GpuMultiCrop on a device batch (eager, and compiled when compile=true)
-  step        DinoStep on synthetic crops (eager, and compiled when compile=true)
+  augment     GpuMultiCrop on a device batch (eager, and compiled when `compile` compiles: auto on a GPU)
+  step        DinoStep on synthetic crops (eager, and compiled by region when `compile` compiles)
   iteration   loader + augment + step, as the trainer chains them
 
 then records a few steps with torch.profiler and prints the kernels that take the most
@@ -76,11 +76,13 @@ def _main(args: list[str]) -> int:
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *args])
     precision = "bf16" if device.type == "cuda" else "fp32"
+    from resmlp.core.compiling import compile_form
+    compiled = compile_form(cfg.compile, device, "dino")[0] is not None   # compile=auto: on a GPU
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
     step_phases = {"loader", "augment", "step"} & set(phases)
     report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch, "crops": plan.label(),
-                         "compile": bool(cfg.compile), "precision": precision} if step_phases else None,
+                         "compile": compiled, "precision": precision} if step_phases else None,
               "phases": {}}
 
     def record(name, seconds):
@@ -90,7 +92,7 @@ def _main(args: list[str]) -> int:
     if step_phases:
         sources = _time_loader(cfg, plan, device, steps, record) if "loader" in phases else _random_sources(cfg, batch)
         images, sizes, keys = (x.to(device) for x in sources)
-    compiles = sorted({False, bool(cfg.compile)})
+    compiles = sorted({False, compiled})
     for comp in compiles if "augment" in phases else ():
         _time_augment(cfg, plan, device, precision, comp, (images, sizes, keys), steps, record)
     for comp in compiles if "step" in phases else ():
