@@ -155,7 +155,8 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
                     autocast=contextlib.nullcontext, world_size: int = 1, hooks=None, start=None) -> DinoStep:
     """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
     `cfg` says, for the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs
-    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies). `start`
+    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies; its `step` is called
+    on the step built here). `start`
     (ssl.init.Start): the weights dino.init gives, the head warm-up and the backbone's
     learning-rate scale."""
     from resmlp.core.compiling import compile_as
@@ -184,6 +185,8 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
     compile_as(teacher, path.compile)
     if path.cuda_graphs:
         step.graphed = GraphedStep(step)
+    if hooks is not None and hooks.step:
+        hooks.step(step, cfg)
     return step
 
 

@@ -49,6 +49,23 @@ def last_layer(step):
     return step.raw_student.head.last_layer.weight_v
 
 
+def assert_learned_alike(plain, graphed) -> None:
+    """The same weights (student and teacher) and AdamW state. AdamW turns the rounding
+    differences of tiny gradients into differences of a small fraction of lr (here up to
+    3e-3): far below what a wrong lr, decay, scale or momentum would make. A parameter
+    DinoStep never stepped (frozen to the end) has a step count of 0 in the graphed one."""
+    for name, net in (("student", "raw_student"), ("teacher", "teacher")):
+        for (n, p), q in zip(getattr(plain, net).named_parameters(), getattr(graphed, net).parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-5, msg=f"{name} {n}")
+    for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
+        if p in plain.optimizer.state:
+            sp, sq = plain.optimizer.state[p], graphed.optimizer.state[q]
+            assert float(sp["step"]) == float(sq["step"])
+            assert (sq["exp_avg"] - sp["exp_avg"]).norm() <= 1e-3 * sp["exp_avg"].norm()
+        elif q.requires_grad:
+            assert float(graphed.optimizer.state[q]["step"]) == 0
+
+
 def test_tensor_schedules_give_the_steps_of_plain_numbers():
     """Five steps with every schedule moving and the frozen last layer thawing: the graph's
     arithmetic (uncaptured on the CPU) gives DinoStep's losses, weights, center and AdamW
@@ -69,17 +86,7 @@ def test_tensor_schedules_give_the_steps_of_plain_numbers():
     assert not torch.equal(last_layer(graphed), frozen_at_start)
     assert graphed.graphed.captures == 0
     torch.testing.assert_close(graphed.loss_fn.center, plain.loss_fn.center, rtol=1e-6, atol=1e-7)
-    for name, net in (("student", "raw_student"), ("teacher", "teacher")):
-        for (n, p), q in zip(getattr(plain, net).named_parameters(), getattr(graphed, net).parameters()):
-            # AdamW turns the rounding differences of tiny gradients into differences of
-            # a small fraction of lr (here up to 3e-3): far below what a wrong lr, decay
-            # or momentum would make
-            torch.testing.assert_close(q, p, rtol=0, atol=1e-5, msg=f"{name} {n}")
-    for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
-        if p in plain.optimizer.state:
-            sp, sq = plain.optimizer.state[p], graphed.optimizer.state[q]
-            assert float(sp["step"]) == float(sq["step"])
-            assert (sq["exp_avg"] - sp["exp_avg"]).norm() <= 1e-3 * sp["exp_avg"].norm()
+    assert_learned_alike(plain, graphed)
     values = [s.read() for s in (plain, graphed)]
     assert values[0]["steps"] == values[1]["steps"] == len(SCHEDULE)
     for key in ("loss", "teacher_entropy", "teacher_kl_mean"):
@@ -134,18 +141,9 @@ def test_the_graphed_body_continues_from_weights_as_dinostep_does(tmp_path):
             assert all(p not in plain.optimizer.state for p in plain.raw_student.backbone.parameters())
     moved = [not torch.equal(v, backbone_at_start[k]) for k, v in graphed.raw_student.backbone.state_dict().items()]
     assert any(moved)   # the backbone joined after the warm-up
-    for name, net in (("student", "raw_student"), ("teacher", "teacher")):
-        for (n, p), q in zip(getattr(plain, net).named_parameters(), getattr(graphed, net).parameters()):
-            # a backbone at 1x instead of 0.25x the rate, or learning during the warm-up, would be
-            # off by steps of the rate's size (1e-3); AdamW's rounding stays far below
-            torch.testing.assert_close(q, p, rtol=0, atol=1e-5, msg=f"{name} {n}")
-    for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
-        if p in plain.optimizer.state:
-            sp, sq = plain.optimizer.state[p], graphed.optimizer.state[q]
-            assert float(sp["step"]) == float(sq["step"])
-            assert (sq["exp_avg"] - sp["exp_avg"]).norm() <= 1e-3 * sp["exp_avg"].norm()
-        elif q.requires_grad:   # DinoStep never stepped it (the last layer, frozen to the end here)
-            assert float(graphed.optimizer.state[q]["step"]) == 0
+    # a backbone at 1x instead of 0.25x the rate, or learning during the warm-up, would be off
+    # by steps of the rate's size (1e-3)
+    assert_learned_alike(plain, graphed)
     torch.testing.assert_close(graphed.loss_fn.center, plain.loss_fn.center, rtol=1e-6, atol=1e-7)
 
 
