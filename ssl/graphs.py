@@ -34,16 +34,17 @@ What a replayable step needs, and how it is met here:
   world size first, as DDP does) gives every rank DDP's mean. Why not DDP inside the graph:
   its reducer keeps per-iteration host state (bucket readiness, the rebuild of its buckets
   after the first iteration, its unused-parameter and logging bookkeeping) that a replay
-  does not run; capturing it needs DDP built on a side stream, many eager iterations before
-  the capture and torch-version-specific care (PyTorch's CUDA graphs notes; Megatron-LM's
-  full-iteration graphs use their own DDP with a contiguous gradient buffer instead, and
-  still patch the stream DDP was built on), and DinoStep rewraps DDP when dino.init's
-  backbone joins, which a graph cannot follow. The flat buffer needs none of that, and the
-  same code runs uncaptured on a CPU with gloo, where tests/test_ddp_graphs.py checks its
-  gradients against DDP's. What it gives up is DDP's overlap of the all-reduce with the
-  backward: one all-reduce of the gradients after it. The collective is captured in the
-  graph like the forward's own (the center's mean, Sinkhorn-Knopp, the bottleneck norm),
-  which NCCL allows since 2.9; every rank captures and replays at the same iterations.
+  does not run; PyTorch's CUDA semantics notes capture it only with DDP built on a side
+  stream, its async error handling off and a run of eager iterations before the capture
+  (Megatron-LM's full-iteration graph captures the reduction of its own DDP, whose gradients
+  live in one contiguous buffer, and had to build it on the capture stream), and DinoStep
+  rewraps DDP when dino.init's backbone joins, which a graph cannot follow. The flat buffer
+  needs none of that, and the same code runs uncaptured on a CPU with gloo, where
+  tests/test_ddp_graphs.py checks its gradients against DDP's. What it gives up is DDP's
+  overlap of the all-reduce with the backward: one all-reduce of the gradients after it.
+  The collective is captured in the graph like the forward's own (the center's mean,
+  Sinkhorn-Knopp, the bottleneck norm), which NCCL allows since 2.9; every rank captures
+  and replays at the same iterations.
   Under torchrun with one process the step takes this same path (an all-reduce over one
   rank), so that one-process torchrun measures its cost against a plain run, which has no
   process group and reduces nothing.

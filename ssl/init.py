@@ -6,7 +6,8 @@ is this project's DINO checkpoint (`dino.init_head=auto|true|false`), else it is
 head first learns alone for `dino.head_warmup_epochs` on the frozen backbone (ssl/step.py:
 the backbone's parameters get no gradient and no update, the teacher follows the student's
 head only; the graphed step, ssl/graphs.py, does the same with values its graph reads), then
-the backbone joins at `dino.init_lr_scale` times the schedule's learning rate. Why the defaults are what they are: configs/method/dino.yaml.
+the backbone joins at `dino.init_lr_scale` times the schedule's learning rate. Why the
+defaults are what they are: configs/method/dino.yaml.
 
 `continuing(cfg, run)` runs before any work. dino.init on a run dir that holds the state of
 a run started otherwise (resume and dino.init would mean two different starts) is refused
