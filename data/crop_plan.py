@@ -123,8 +123,8 @@ def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
                 device: torch.device | None = None) -> DinoViews:
     """The trainer's data path for `plan`. On the device the crops come in `out_dtype`
     (the step's autocast dtype: its first layer would cast them anyway), and the
-    augmentation is compiled when the step is (`compile`: core.compiling.compile_form). `device`: where the
-    views go (data.decode=gpu needs a CUDA one)."""
+    augmentation is compiled when the step is (`compile`: core.compiling.compile_form).
+    `device`: where the views go (data.decode=gpu needs a CUDA one)."""
     from resmlp.data.datasets import dataset_info
     decode = cfg.data.get("decode", "cpu")
     if decode == "gpu" and not dataset_info(cfg.data).files:

@@ -156,9 +156,9 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
     """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
     `cfg` says, for the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs
     and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies; its `step` is called
-    on the step built here). `start`
-    (ssl.init.Start): the weights dino.init gives, the head warm-up and the backbone's
-    learning-rate scale."""
+    on the step built here). `start` (ssl.init.Start): the weights dino.init gives, the head
+    warm-up and the backbone's learning-rate scale. `step.path` says how it runs: compiled
+    by region or whole, graphed or not (ssl.graphs.dino_path)."""
     from resmlp.core.compiling import compile_as
     from resmlp.ssl.graphs import GraphedStep, dino_path
     from resmlp.ssl.loss import build_dino_loss
