@@ -56,7 +56,7 @@ def build(mode: str, overrides: list[str]):
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
 
-    cfg = load_config("dino", "resmlp_s12", ["demo=false", *overrides, f"compile={mode in CACHED}"])
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", *overrides, f"compile={'regions' if mode in CACHED else False}"])
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           "cpu" if cfg.device == "auto" else cfg.device)
     precision = str(cfg.precision) if cfg.precision != "auto" else "bf16" if device.type == "cuda" else "fp32"

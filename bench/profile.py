@@ -6,10 +6,10 @@ Fashion-MNIST preset by default; any `dino` command override works, e.g.
 each phase of the trainer's iteration alone, at the trainer's batch:
 
   loader      the trainer's DataLoader (workers decode and collate), no device work
-  augment     GpuMultiCrop on a device batch (eager, and compiled when compile is on)
-  step        DinoStep on synthetic crops (eager, and compiled when compile is on: true,
-              or auto on a GPU), not graphed: a graph's replay hides which op launched
-              each kernel, and with it the kernel's bytes
+  augment     GpuMultiCrop on a device batch (eager, and compiled when `compile` compiles: auto on a GPU)
+  step        DinoStep on synthetic crops (eager, and compiled by region when `compile` compiles),
+              not graphed: a graph's replay hides which op launched each kernel, and with
+              it the kernel's bytes
   iteration   loader + augment + step, as the trainer chains them
 
 then records a few steps with torch.profiler and keeps every kernel (`profile.top` of them,
@@ -86,13 +86,14 @@ def _main(args: list[str]) -> int:
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *rest])
     precision = "bf16" if device.type == "cuda" else "fp32"
+    from resmlp.core.compiling import compile_form
+    compiled = compile_form(cfg.compile, device, "dino")[0] is not None   # compile=auto: on a GPU
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
     step_phases = {"loader", "augment", "step"} & set(phases)
-    # compile=auto: as the trainer decides it, compiled on a GPU only
-    compiles = sorted({False, cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")})
+    compiles = sorted({False, compiled})
     report = {"config": {"model": cfg.model.name, "data": cfg.data.name, "batch": batch, "crops": plan.label(),
-                         "compile": compiles[-1], "precision": precision} if step_phases else None,
+                         "compile": compiled, "precision": precision} if step_phases else None,
               "phases": {}}
 
     def record(name, seconds):

@@ -97,18 +97,19 @@ def autocast_for(device: torch.device, precision: str):
     return lambda: torch.autocast(device.type, dtype=AMP_DTYPES[precision])
 
 
-def build_our_step(cfg, device: torch.device, precision: str, compile: bool, graphs: bool | None = None,
+def build_our_step(cfg, device: torch.device, precision: str, compile: bool | str, graphs: bool = False,
                    world_size: int = 1):
     """The trainer's step (resmlp.ssl.step.build_dino_step), for a world of one unless
-    `world_size` says more (the torchrun row's process); graphs: dino.cuda_graphs (None: as cfg says)."""
+    `world_size` says more (the torchrun row's process). compile: True compiles by region, the
+    form the bench's "compile" lines have always timed (or a word of `compile`, e.g. whole);
+    graphs: dino.cuda_graphs (a line names it: "+graphs")."""
     need_lightly()
     from omegaconf import OmegaConf
 
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
-    cfg = OmegaConf.merge(cfg, {"compile": bool(compile)})
-    if graphs is not None:
-        cfg = OmegaConf.merge(cfg, {"dino": {"cuda_graphs": bool(graphs)}})
+    cfg = OmegaConf.merge(cfg, {"compile": "regions" if compile is True else compile,
+                                "dino": {"cuda_graphs": bool(graphs)}})
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     return build_dino_step(cfg, crop_plan(cfg), device, scaler, autocast_for(device, precision), world_size)
 

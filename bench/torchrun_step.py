@@ -32,17 +32,20 @@ def torchrun_family(ctx) -> None:
     from resmlp.bench import rows as R
     cfg = step_config(ctx)
     base = {"model": str(cfg.model.name), "strategy": str(cfg.dino.local_crops), "batch": int(cfg.batch_size),
-            "impl": R.ours("compile" if cfg.compile else "eager", bool(cfg.model.fused))}
+            "impl": R.ours(("compile" if cfg.compile else "eager") + ("+graphs" if cfg.dino.cuda_graphs else ""),
+                           bool(cfg.model.fused))}
     plain = ctx.attempt("torchrun", {**base, "path": "one process"}, lambda: in_process(ctx))
     ctx.attempt("torchrun", {**base, "path": "torchrun --standalone --nproc_per_node 1"},
                 lambda: under_torchrun(ctx, plain.get("images_per_s")))
 
 
 def step_config(ctx):
-    """The row's step: the profile's dino lines' config for torchrun.model and .strategy."""
+    """The row's step: the profile's dino lines' config for torchrun.model and .strategy, graphed
+    as torchrun.graphs says (the step a user's run takes on a GPU)."""
     from resmlp.bench import rows as R
     q = ctx.p.torchrun
-    return R.dino_config(ctx.p, str(q.model), str(q.strategy), [f"compile={bool(q.compile)}"])
+    return R.dino_config(ctx.p, str(q.model), str(q.strategy),
+                         [f"compile={bool(q.compile)}", f"dino.cuda_graphs={bool(q.graphs)}"])
 
 
 def timing(ctx) -> dict:
@@ -61,7 +64,8 @@ def time_one_step(cfg, device, spec: dict, world_size: int = 1) -> dict:
     from resmlp.data.crop_plan import crop_plan
     plan = crop_plan(cfg)
     crops = R.synthetic_crops(plan, int(cfg.batch_size), device)
-    step = R.build_our_step(cfg, device, spec["precision"], bool(cfg.compile), world_size=world_size)
+    step = R.build_our_step(cfg, device, spec["precision"], bool(cfg.compile), graphs=bool(cfg.dino.cuda_graphs),
+                            world_size=world_size)
     try:
         t, loss = R.time_step(step, crops, device, SimpleNamespace(**{k: spec[k] for k in TIMING}))
     finally:

@@ -123,8 +123,8 @@ def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
                 device: torch.device | None = None) -> DinoViews:
     """The trainer's data path for `plan`. On the device the crops come in `out_dtype`
     (the step's autocast dtype: its first layer would cast them anyway), and the
-    augmentation is compiled when the step is (`compile=true`). `device`: where the
-    views go (data.decode=gpu needs a CUDA one)."""
+    augmentation is compiled when the step is (`compile`: core.compiling.compile_form).
+    `device`: where the views go (data.decode=gpu needs a CUDA one)."""
     from resmlp.data.datasets import dataset_info
     decode = cfg.data.get("decode", "cpu")
     if decode == "gpu" and not dataset_info(cfg.data).files:
@@ -136,7 +136,9 @@ def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
         if decode == "gpu" and (device is None or torch.device(device).type != "cuda"):
             raise UserError("data.decode=gpu decodes JPEGs with CUDA and this run has no CUDA device; "
                             "use data.decode=cpu")
-        augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=bool(cfg.compile), out_dtype=out_dtype)
+        from resmlp.core.compiling import compile_form
+        compiled = compile_form(cfg.compile, device or "cpu", cfg.command)[0] is not None  # as the step is
+        augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=compiled, out_dtype=out_dtype)
         transform = SourceDecoder(source_side(cfg.data), defer_jpeg=decode == "gpu")
         return DinoViews(plan, transform, augment, int(cfg.seed), collate_sources)
     if decode == "gpu":

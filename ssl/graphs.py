@@ -1,104 +1,214 @@
-"""The whole DINO step as one CUDA graph: `dino.cuda_graphs=true` (default false).
+"""The whole DINO step as one CUDA graph: `dino.cuda_graphs=auto|true|false` (auto: on a CUDA
+GPU wherever the step can be graphed), on one process or many.
 
-Why: at DINO's batch on an H100 the host, not the GPU, sets the pace (README, Performance:
+Why: at DINO's batch on a GPU the host, not the GPU, sets the pace (README, Performance:
 over 2000 kernel launches per compiled step). A CUDA graph replays every kernel of the step
-(student forward and backward, teacher forward, loss and center, clipping, fused AdamW, EMA,
-the teacher's health statistics) with one launch.
+(student forward and backward, teacher forward, loss and center, the gradients' all-reduce,
+clipping, fused AdamW, EMA, the teacher's health statistics) with one launch.
 
 What a replayable step needs, and how it is met here:
 - Nothing that changes per iteration may be baked into the graph. The schedules live in
   0-dim device tensors (`TensorSchedule`), written by a few fill kernels queued before each
   replay (no host read, no copy from host memory): fused AdamW with capturable=True takes
-  its lr as a tensor; AdamW's decoupled weight decay, p -= lr * wd * p, is applied just
-  before the optimizer (whose own decay is then 0), the same arithmetic as the fused
-  kernel's; the EMA is teacher += (1 - m) (student - teacher) (ema.update_teacher_by);
-  lightly's DINOLoss takes the temperature as a tensor.
-- DINO freezes the head's last layer in the first epoch(s) by dropping its gradient, which
-  would change what the graph does. Instead the layer's weights and AdamW state are put
-  back after the update while the `frozen` tensor is 1 (torch.where and masked_fill:
-  bitwise), which leaves the layer and its optimizer state as untouched as "no gradient".
+  its lr as a tensor, one per learning-rate scale; AdamW's decoupled weight decay,
+  p -= lr * wd * p, is applied just before the optimizer (whose own decay is then 0), the
+  same arithmetic as the fused kernel's; the EMA is teacher += (1 - m) (student - teacher)
+  (ema.update_teacher_by); lightly's DINOLoss takes the temperature as a tensor.
+- What DinoStep freezes by dropping gradients (the head's last layer in the first
+  epoch(s); with dino.init the whole backbone during the head warm-up, ssl/init.py) would
+  change what the graph does. Instead each frozen part's gradients are multiplied by a
+  `kept` tensor (0 while frozen, 1 after), its weight decay by the same, and its AdamW step
+  count taken back by the `frozen` tensor: a zero gradient leaves AdamW's moments at zero
+  and its update at exactly zero, so the part and its optimizer state stay bitwise as they
+  were, as "no gradient" leaves them. That holds for a part that has not been stepped, and
+  DINO's freezes come first in a run (a resumed run keeps dino.init's warm-up; only a
+  dino.freeze_last_layer raised on resume past the epoch reached would not be exact: the
+  layer's moments, no longer fed, would still move it). The backbone's learning-rate scale
+  (dino.init_lr_scale) is its groups' own lr tensor; while it is frozen the teacher's
+  backbone takes no EMA step (its weight tensor 0), as DinoStep moves the teacher's head
+  alone. The backward still runs through the frozen backbone, which DinoStep skips: the
+  price of one graph for the warm-up and the rest of the run.
+- With a process group (torchrun, one process or many) the gradients are reduced here, not
+  by DDP (`FlatGradients`): they are views into one flat buffer, zeroed and accumulated in
+  place by the backward, and one all-reduce of the buffer (each rank's share divided by the
+  world size first, as DDP does) gives every rank DDP's mean. Why not DDP inside the graph:
+  its reducer keeps per-iteration host state (bucket readiness, the rebuild of its buckets
+  after the first iteration, its unused-parameter and logging bookkeeping) that a replay
+  does not run; PyTorch's CUDA semantics notes capture it only with DDP built on a side
+  stream, its async error handling off and a run of eager iterations before the capture
+  (Megatron-LM's full-iteration graph captures the reduction of its own DDP, whose gradients
+  live in one contiguous buffer, and had to build it on the capture stream), and DinoStep
+  rewraps DDP when dino.init's backbone joins, which a graph cannot follow. The flat buffer
+  needs none of that, and the same code runs uncaptured on a CPU with gloo, where
+  tests/test_ddp_graphs.py checks its gradients against DDP's. What it gives up is DDP's
+  overlap of the all-reduce with the backward: one all-reduce of the gradients after it.
+  The collective is captured in the graph like the forward's own (the center's mean,
+  Sinkhorn-Knopp, the bottleneck norm), which NCCL allows since 2.9; every rank captures
+  and replays at the same iterations.
+  Under torchrun with one process the step takes this same path (an all-reduce over one
+  rank), so that one-process torchrun measures its cost against a plain run, which has no
+  process group and reduces nothing.
 - Inputs are copied into buffers the graph reads; the outputs are buffers the next replay
-  overwrites. Gradients are allocated by the capture and written, not accumulated, by
-  every replay. lightly's center keeps one buffer (DinoStep.forward_loss).
+  overwrites. Without a process group the gradients are allocated by the capture and
+  written, not accumulated, by every replay. lightly's center keeps one buffer
+  (DinoStep.forward_loss).
 The first `warmup` calls run the same code without capture, on a side stream (real
-iterations: compilation, cuBLAS handles, the optimizer's state); the next call captures it
-and every later call only replays. The body runs uncaptured on a CPU too (capture=False),
-which is how tests/test_dino.py checks its arithmetic against DinoStep's own.
-Untested on a GPU so far: tests/test_device_ready.py has the CUDA tests (graphed = eager to
-bf16 tolerance, one capture, no host sync), bench/NOTES.md the line that times it.
+iterations: compilation, cuBLAS handles, NCCL's communicator, the optimizer's state); the
+next call captures it and every later call only replays. The body runs uncaptured on a CPU
+too (capture=False), which is how tests/test_graphs.py checks its arithmetic against
+DinoStep's own and tests/test_ddp_graphs.py its reduction against DDP's.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+import torch.distributed as tdist
 
+from resmlp.core import dist
+from resmlp.core.compiling import StepPath, compile_form
 from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
-from resmlp.ssl.ema import update_teacher_by
 from resmlp.ssl.clip import clip_per_parameter
+from resmlp.ssl.ema import update_teacher_by
 
 WARMUP = 3   # uncaptured calls before the capture (torch's own examples use 3)
 
 
-def use_cuda_graphs(value, device: torch.device, world_size: int, scaler_enabled: bool,
-                    continuing: bool = False) -> bool:
-    """dino.cuda_graphs (its words in configs/method/dino.yaml's limits): true, false or
-    auto (on where it can be: one CUDA process, no GradScaler, not continuing from
-    dino.init). true where it cannot be is a UserError."""
+def use_cuda_graphs(value, device: torch.device, scaler_enabled: bool,
+                    grad_checkpointing: bool = False) -> tuple[bool, str | None]:
+    """dino.cuda_graphs (its words in configs/method/dino.yaml's limits) -> (graphed, None or
+    the line that says why not). auto: on a CUDA GPU wherever the step can be graphed (any
+    number of processes, dino.init too); not with fp16's GradScaler, and not with
+    model.grad_checkpointing, which no GPU run has graphed. true where it cannot be is a
+    UserError."""
     check_choice("dino.cuda_graphs", value)   # a value handed in by code, not only by load_config
     if value is False:
-        return False
-    why = None
-    if device.type != "cuda":
-        why = "a CUDA GPU"
-    elif world_size > 1:
-        why = "a single process (DDP's gradient hooks are not captured here)"
+        return False, "graphs off: dino.cuda_graphs=false"
+    need = why = None
+    if torch.device(device).type != "cuda":
+        need, why = "a CUDA GPU", "graphs off: CUDA graphs need a CUDA GPU"
     elif scaler_enabled:
-        why = "bf16 or fp32 (fp16's GradScaler reads its scale on the host)"
-    elif continuing:
-        why = "a run without dino.init (its head warm-up and the backbone's learning-rate scale are not graphed)"
-    if why and value is True:
-        raise UserError(f"dino.cuda_graphs=true needs {why}; set dino.cuda_graphs=false or auto")
-    return why is None
+        need = "bf16 or fp32 (fp16's GradScaler reads its scale on the host)"
+        why = "graphs off: fp16 needs GradScaler, which reads its scale on the host (precision=bf16 is graphed)"
+    elif grad_checkpointing and value == "auto":
+        why = ("graphs off: model.grad_checkpointing has not run in a CUDA graph on a GPU yet "
+               "(dino.cuda_graphs=true tries it)")
+    if need and value is True:
+        raise UserError(f"dino.cuda_graphs=true needs {need}; set dino.cuda_graphs=false or auto")
+    return why is None, why
+
+
+def dino_path(cfg, device: torch.device, scaler_enabled: bool) -> StepPath:
+    """The DINO step's path for `cfg` on `device`: graphed or not (use_cuda_graphs), then
+    compiled as `compile` says for a step graphed or not (core.compiling.compile_form)."""
+    graphed, graphs_off = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, scaler_enabled,
+                                          bool(cfg.model.get("grad_checkpointing", False)))
+    form, compile_off = compile_form(cfg.compile, device, "dino", graphed)
+    return StepPath(form, graphed, tuple(line for line in (compile_off, graphs_off) if line))
 
 
 class TensorSchedule:
-    """The per-iteration values as 0-dim fp32 tensors on the device. `set` queues one
-    fill kernel per value (numbers travel as kernel arguments: no copy, no sync)."""
+    """The per-iteration values as 0-dim fp32 tensors on the device. `set` queues one fill
+    kernel per value (numbers travel as kernel arguments: no copy, no sync). The backbone
+    learns at `lr_scale` times the rate and is frozen in the first `warmup_epochs` epochs
+    (dino.init); the head's last layer is frozen in the first `freeze_last_epochs`."""
 
-    NAMES = ("lr", "lr_wd", "ema_weight", "teacher_temp", "frozen")
+    NAMES = ("lr", "backbone_lr", "lr_wd", "last_lr_wd", "backbone_lr_wd", "ema_weight", "backbone_ema_weight",
+             "teacher_temp", "last_kept", "last_frozen", "backbone_kept", "backbone_frozen")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, lr_scale: float = 1.0, freeze_last_epochs: int = 0,
+                 warmup_epochs: int = 0):
+        self.lr_scale, self.freeze_last_epochs, self.warmup_epochs = lr_scale, freeze_last_epochs, warmup_epochs
         for name in self.NAMES:
             setattr(self, name, torch.zeros((), device=device))
-        self.frozen_mask = torch.zeros((), dtype=torch.bool, device=device)
 
-    def set(self, lr: float, weight_decay: float, momentum: float, teacher_temp: float, frozen: bool) -> None:
+    def set(self, lr: float, weight_decay: float, momentum: float, teacher_temp: float, epoch: int) -> None:
+        last, backbone = epoch < self.freeze_last_epochs, epoch < self.warmup_epochs
+        lr_b = lr * self.lr_scale
         # products and differences in float64 here: 1 - m in fp32 on the device would lose
         # five digits of the EMA's weight
-        values = (lr, lr * weight_decay, 1.0 - momentum, teacher_temp, float(frozen))
-        for name, v in zip(self.NAMES, values):
-            getattr(self, name).fill_(v)
-        self.frozen_mask.fill_(bool(frozen))
+        values = {"lr": lr, "backbone_lr": lr_b, "lr_wd": lr * weight_decay,
+                  "last_lr_wd": 0.0 if last else lr * weight_decay,
+                  "backbone_lr_wd": 0.0 if backbone else lr_b * weight_decay,
+                  "ema_weight": 1.0 - momentum, "backbone_ema_weight": 0.0 if backbone else 1.0 - momentum,
+                  "teacher_temp": teacher_temp, "last_kept": float(not last), "last_frozen": float(last),
+                  "backbone_kept": float(not backbone), "backbone_frozen": float(backbone)}
+        for name in self.NAMES:
+            getattr(self, name).fill_(values[name])
+
+
+class FlatGradients:
+    """The gradients of `params` as views into one flat buffer, reduced in one all-reduce to
+    their mean over the process group: what DDP's buckets give, without its hooks (module
+    docstring). The views stay the parameters' `.grad` for good: the step zeroes the buffer
+    (`zero`) instead of dropping them."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = [p for p in params if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise RuntimeError(f"FlatGradients holds one dtype; the parameters have {sorted(map(str, dtypes))}")
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=dtypes.pop(),
+                                device=self.params[0].device)
+        offset = 0
+        for p in self.params:
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.world_size = dist.world_size()
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+    def all_reduce(self) -> None:
+        if self.world_size > 1:  # each rank's share first, as DDP divides before it sums
+            self.flat.div_(self.world_size)
+        tdist.all_reduce(self.flat)
+
+
+def broadcast_weights(net: torch.nn.Module) -> None:
+    """Rank 0's weights (parameters and buffers) on every rank, as DDP makes them when it
+    wraps a network."""
+    for t in net.state_dict().values():
+        tdist.broadcast(t, src=0)
 
 
 class GraphedStep:
     """DinoStep's update with tensor schedules, captured once and replayed (module
-    docstring). `captures` counts captures: 1 after the warm-up, forever."""
+    docstring). `captures` counts captures: 1 after the warm-up, forever. `reduce`: the
+    gradients all-reduced over the process group (default: when there is one). The step's
+    student runs as it is, never through DDP."""
 
-    def __init__(self, step, capture: bool | None = None, warmup: int = WARMUP):
+    def __init__(self, step, capture: bool | None = None, warmup: int = WARMUP, reduce: bool | None = None):
         self.step = step
         opt = step.optimizer
         self.device = opt.param_groups[0]["params"][0].device
         self.capture = self.device.type == "cuda" if capture is None else bool(capture)
         self.warmup = int(warmup)
-        self.sched = TensorSchedule(self.device)
-        head = step.raw_student.head
-        last = getattr(head, "last_layer", None)
-        self.last = [p for p in last.parameters() if p.requires_grad] if last is not None else []
-        self.freeze_epochs = getattr(head, "freeze_last_layer", 0) if self.last else 0
-        self.decay = [p for g in opt.param_groups if g.get("name") == "decay" for p in g["params"]]
+        student = step.raw_student
+        head, last = student.head, getattr(student.head, "last_layer", None)
+        freeze_last = getattr(head, "freeze_last_layer", 0) if last is not None else 0
+        scales = {g["lr_scale"] for g in opt.param_groups if "lr_scale" in g}   # dino.init's backbone groups
+        self.sched = TensorSchedule(self.device, scales.pop() if scales else 1.0, freeze_last,
+                                    int(step.head_warmup_epochs))
+        # the parts that freeze (the trainable ones; the weight-normed layer's fixed norm is not)
+        self.last = [p for p in last.parameters() if p.requires_grad] if freeze_last else []
+        self.backbone = [p for p in student.backbone.parameters() if p.requires_grad] \
+            if self.sched.warmup_epochs else []
+        # weight decay by part: each its own lr * wd (the backbone's at its scale), 0 while frozen
+        last_ids, rates = {id(p) for p in self.last}, {}
+        for g in opt.param_groups:
+            for p in g["params"] if g.get("name") == "decay" else ():
+                rate = self.sched.backbone_lr_wd if "lr_scale" in g else \
+                    self.sched.last_lr_wd if id(p) in last_ids else self.sched.lr_wd
+                rates.setdefault(id(rate), (rate, []))[1].append(p)
+        self.decay = list(rates.values())
+        step.student, step.ddp = student, None   # never DDP in the graph: the reduction is ours
+        self.reduce = dist.is_dist() if reduce is None else bool(reduce)
+        self.flat = None
+        if self.reduce:
+            broadcast_weights(student)
+            self.flat = FlatGradients(list(student.parameters()))
         self.calls, self.captures = 0, 0
         self.graph, self.inputs, self.out = None, None, None
 
@@ -111,12 +221,12 @@ class GraphedStep:
         """The optimizer reads lr from the schedule and leaves the decay to `_update`. Done
         at the first call, after any checkpoint was loaded (which restores plain numbers)."""
         for g in self.step.optimizer.param_groups:
-            g["lr"] = self.sched.lr
+            g["lr"] = self.sched.backbone_lr if "lr_scale" in g else self.sched.lr
             g["capturable"] = self.device.type == "cuda"
             g["weight_decay"] = 0.0
 
     def __call__(self, crops, lr: float, weight_decay: float, momentum: float, teacher_temp: float, epoch: int):
-        self.sched.set(lr, weight_decay, momentum, teacher_temp, epoch < self.freeze_epochs)
+        self.sched.set(lr, weight_decay, momentum, teacher_temp, epoch)
         if self.inputs is None:
             self._install()
             self.inputs = [c.detach().clone() for c in crops]
@@ -137,10 +247,12 @@ class GraphedStep:
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
             if self.graph is None:
-                self.step.optimizer.zero_grad(set_to_none=True)  # the capture allocates them
+                if self.flat is None:
+                    self.step.optimizer.zero_grad(set_to_none=True)  # the capture allocates them
                 self.graph = torch.cuda.CUDAGraph()
                 # thread_local: the loader's pin-memory thread allocates pinned host memory
-                # while we capture; in the default global mode that call would break the capture
+                # while we capture (and NCCL's watchdog queries its events); in the default
+                # global mode those calls would break the capture
                 with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                     self.out = self._update(zero_grad=False)
                 self.captures += 1
@@ -161,22 +273,31 @@ class GraphedStep:
             # made on; the graphed steps are tested equal to eager ones (tests/test_graphs.py)
             warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
             loss, t_out, center, stats = step.forward_loss(self.inputs, sched.teacher_temp)
-            if zero_grad:
+            if self.flat is not None:
+                self.flat.zero()   # in the graph too: the backward accumulates into the views
+            elif zero_grad:
                 step.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+        if self.flat is not None:
+            self.flat.all_reduce()
         clip_per_parameter(step.raw_student.parameters(), step.clip_grad)
         with torch.no_grad():
-            before = [p.detach().clone() for p in self.last]
-            if self.decay:
-                torch._foreach_add_(self.decay, torch._foreach_mul(self.decay, -sched.lr_wd))
+            frozen = [(part, kept, flag) for part, kept, flag in ((self.last, sched.last_kept, sched.last_frozen),
+                                                                  (self.backbone, sched.backbone_kept,
+                                                                   sched.backbone_frozen)) if part]
+            for part, kept, _ in frozen:
+                torch._foreach_mul_([p.grad for p in part], kept)
+            for rate, params in self.decay:
+                torch._foreach_add_(params, torch._foreach_mul(params, -rate))
             step.optimizer.step()
-            for p, old in zip(self.last, before):
-                p.copy_(torch.where(sched.frozen_mask, old, p))
-                state = step.optimizer.state[p]
-                state["exp_avg"].masked_fill_(sched.frozen_mask, 0.0)
-                state["exp_avg_sq"].masked_fill_(sched.frozen_mask, 0.0)
-                state["step"].sub_(sched.frozen)  # while frozen it stays at 0, as if never stepped
-            update_teacher_by(step.teacher, step.raw_student, sched.ema_weight)
+            for part, _, flag in frozen:  # while frozen the count stays, as if never stepped
+                torch._foreach_add_([step.optimizer.state[p]["step"] for p in part], flag, alpha=-1)
+            student, teacher = step.raw_student, step.teacher
+            if self.backbone:
+                update_teacher_by(teacher.head, student.head, sched.ema_weight)
+                update_teacher_by(teacher.backbone, student.backbone, sched.backbone_ema_weight)
+            else:
+                update_teacher_by(teacher, student, sched.ema_weight)
         t_out = t_out.detach()
         return {"loss": loss.detach(), "t_out": t_out, "center": center,
                 "stats": {k: v.detach() for k, v in stats.items()}}

@@ -5,8 +5,9 @@ the fit checked, the patch grid adapted). The head comes from the same checkpoin
 is this project's DINO checkpoint (`dino.init_head=auto|true|false`), else it is new; a new
 head first learns alone for `dino.head_warmup_epochs` on the frozen backbone (ssl/step.py:
 the backbone's parameters get no gradient and no update, the teacher follows the student's
-head only), then the backbone joins at `dino.init_lr_scale` times the schedule's learning
-rate. Why the defaults are what they are: configs/method/dino.yaml.
+head only; the graphed step, ssl/graphs.py, does the same with values its graph reads), then
+the backbone joins at `dino.init_lr_scale` times the schedule's learning rate. Why the
+defaults are what they are: configs/method/dino.yaml.
 
 `continuing(cfg, run)` runs before any work. dino.init on a run dir that holds the state of
 a run started otherwise (resume and dino.init would mean two different starts) is refused

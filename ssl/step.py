@@ -17,8 +17,9 @@ non-finite loss is therefore noticed at the next read, not at once: the weights 
 non-finite in between, which is why every checkpoint is preceded by a read and the run
 stops instead of saving (the last good checkpoint stays as it was).
 
-With dino.cuda_graphs the same update runs as one captured CUDA graph (ssl/graphs.py),
-its per-iteration values read from device tensors.
+With dino.cuda_graphs (auto: on a CUDA GPU) the same update runs as one captured CUDA graph
+(ssl/graphs.py), its per-iteration values read from device tensors, the gradients reduced
+over the process group there rather than by DDP; `path` says which way the step runs.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class DinoStep:
     head_warmup_epochs: int = 0      # dino.init: epochs of the head alone on the frozen backbone
     backbone_frozen: bool = False
     ddp: dict | None = None          # DistributedDataParallel's arguments, with more than one process
+    path: object = None              # core.compiling.StepPath: compiled how, graphed or not, and why
 
     @property
     def raw_student(self) -> nn.Module:
@@ -153,34 +155,38 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
                     autocast=contextlib.nullcontext, world_size: int = 1, hooks=None, start=None) -> DinoStep:
     """Student, teacher, lightly's loss, AdamW, DDP, torch.compile and CUDA graphs as
     `cfg` says, for the crops of `plan` (resmlp.data.crop_plan): the step the trainer runs
-    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies). `start`
-    (ssl.init.Start): the weights dino.init gives, the head warm-up and the backbone's
-    learning-rate scale."""
-    from resmlp.core.compiling import compile_regions
-    from resmlp.ssl.graphs import GraphedStep, use_cuda_graphs
+    and the benchmark times. `hooks`: ssl.networks.DinoHooks (studies; its `step` is called
+    on the step built here). `start` (ssl.init.Start): the weights dino.init gives, the head
+    warm-up and the backbone's learning-rate scale. `step.path` says how it runs: compiled
+    by region or whole, graphed or not (ssl.graphs.dino_path)."""
+    from resmlp.core.compiling import compile_as
+    from resmlp.ssl.graphs import GraphedStep, dino_path
     from resmlp.ssl.loss import build_dino_loss
     from resmlp.ssl.networks import build_networks
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
-    graphs = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, world_size, scaler.is_enabled(),
-                             continuing=start is not None)
+    path = dino_path(cfg, device, scaler.is_enabled())
     student, teacher = build_networks(cfg, plan, device, hooks, start)
     loss_fn = build_dino_loss(cfg.dino).to(device)
     if start is not None and start.center is not None and start.center.shape == loss_fn.center.shape:
         loss_fn.center.copy_(start.center)   # the loaded head's outputs, centered as they were
-    optimizer = build_optimizer(student, device, capturable=graphs,
+    optimizer = build_optimizer(student, device, capturable=path.cuda_graphs,
                                 backbone_lr_scale=start.lr_scale if start is not None else None)
     warmup = start.warmup_epochs if start is not None else 0
     trained = student
-    ddp = {"device_ids": [device.index] if device.type == "cuda" else None} if world_size > 1 else None
+    # graphed, the step reduces the gradients itself (ssl/graphs.py), under any process group
+    ddp = {"device_ids": [device.index] if device.type == "cuda" else None} \
+        if world_size > 1 and not path.cuda_graphs else None
     if ddp is not None:
         trained = torch.nn.parallel.DistributedDataParallel(student, **ddp)
     step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast,
-                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup, ddp=ddp)
-    if cfg.compile:  # each network's blocks, in place (core/compiling.py)
-        compile_regions(student)
-        compile_regions(teacher)
-    if graphs:
+                    koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup, ddp=ddp,
+                    path=path)
+    compile_as(student, path.compile)  # in place (core/compiling.py)
+    compile_as(teacher, path.compile)
+    if path.cuda_graphs:
         step.graphed = GraphedStep(step)
+    if hooks is not None and hooks.step:
+        hooks.step(step, cfg)
     return step
 
 

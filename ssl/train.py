@@ -68,8 +68,7 @@ def train(cfg, hooks: DinoHooks | None = None):
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
     step = build_dino_step(cfg, plan, run.device, run.scaler, run.autocast, run.world_size, hooks, start)
-    if hooks.step:
-        hooks.step(step, cfg)
+    run.print("\n".join(step.path.lines()))  # compiled how, graphed or not, and why a part is off
     student, teacher = step.student, step.teacher
 
     # ---- schedules, per iteration: lr, weight decay, teacher momentum and temperature ----
@@ -123,7 +122,7 @@ def train(cfg, hooks: DinoHooks | None = None):
         save_rank_weights(run, step)
     judge.end(it)  # <- sync point
     # summed over every start: a finished run resumed again keeps its rate
-    summary = run.finish(summarize(run, cfg, results, teacher, cadence.timing_report()["train_images_per_s"], judge))
+    summary = run.finish(summarize(run, cfg, results, step, cadence.timing_report()["train_images_per_s"], judge))
     return run, step.raw_student, teacher, summary
 
 
@@ -155,13 +154,14 @@ def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch, compil
     compile_cache.save()
 
 
-def summarize(run, cfg, results: dict, teacher, images_per_s: float, judge) -> dict:
+def summarize(run, cfg, results: dict, step, images_per_s: float, judge) -> dict:
     """results.json's fields: the run's, then the judge's (which prints the k-NN from init
-    to the end); run.finish adds the wall time and the device."""
+    to the end); run.finish adds the wall time and the device. `path`: how this start ran
+    the step (core.compiling.StepPath), where config.yaml keeps what was asked."""
     return {"command": "dino", "model": cfg.model.name, "data": cfg.data.name, "epochs": cfg.epochs,
-            "demo": bool(cfg.demo), "local_crops": cfg.dino.local_crops,
+            "demo": bool(cfg.demo), "local_crops": cfg.dino.local_crops, "path": step.path.record(),
             **({"init_from": results["init_from"]} if "init_from" in results else {}),
-            "params": sum(p.numel() for p in teacher.backbone.parameters()),
+            "params": sum(p.numel() for p in step.teacher.backbone.parameters()),
             "train_images_per_s": round(images_per_s, 1), **run.memory_mb(), **judge.summary()}
 
 

@@ -135,7 +135,10 @@ def without_photometric(views, cfg):
     from resmlp.data.gpu_augment import GpuMultiCrop
     if views.batch_augment is None:
         sys.exit("NO_PHOTOMETRIC=1 changes the device augmentation: it needs dino.augment=device")
-    views.batch_augment = GpuMultiCrop.from_plan(views.plan, cfg.data, compile=bool(cfg.compile),
+    from resmlp.core.compiling import compile_form
+    from resmlp.core.dist import pick_device
+    compiled = compile_form(cfg.compile, pick_device(cfg.device), cfg.command)[0] is not None  # as the trainer's
+    views.batch_augment = GpuMultiCrop.from_plan(views.plan, cfg.data, compile=compiled,
                                                  out_dtype=views.batch_augment.out_dtype,
                                                  jitter_prob=0.0, solarize_prob=0.0)
 

@@ -1,7 +1,7 @@
 """One supervised optimization step, built once by `build_supervised_step` (as DINO's is by
 resmlp.ssl.step.build_dino_step):
 
-    mixup / cutmix -> model (its blocks compiled when cfg.compile) -> loss (fp32; with distillation, the
+    mixup / cutmix -> model (compiled as `compile` says) -> loss (fp32; with distillation, the
     frozen teacher's logits too) -> backward -> global-norm clipping -> optimizer -> model EMA
 
 The step never waits for the device: the loss accumulates on the device
@@ -23,7 +23,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 
-from resmlp.core.compiling import compile_regions
+from resmlp.core.compiling import StepPath, compile_as, compile_form
 from resmlp.core.engine import DeviceTally
 from resmlp.core.errors import UserError
 from resmlp.core.optim import no_weight_decay, param_groups
@@ -44,6 +44,7 @@ class SupervisedStep:
     clip_grad: float = 0.0
     autocast: object = contextlib.nullcontext
     tally: DeviceTally = field(default_factory=DeviceTally)   # device sums since the last read
+    path: object = None              # core.compiling.StepPath: compiled how, and why not
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, lr: float, it: int) -> torch.Tensor:
         """One update at learning rate `lr` (each group scaled by its lr_scale) on a batch
@@ -147,7 +148,7 @@ def build_supervised_step(cfg, model: nn.Module, teacher: nn.Module | None, n_cl
     trained = model
     if run.world_size > 1:
         trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.compile:  # its blocks, in place (core/compiling.py); the EMA above is an eager copy
-        compile_regions(model)
+    form, off = compile_form(cfg.compile, device, cfg.command)
+    compile_as(model, form)  # in place (core/compiling.py); the EMA above is an eager copy
     return SupervisedStep(trained, model, criterion, optimizer, run.scaler, mixup, teacher, cfg.get("distill"), ema,
-                          float(o.clip_grad), run.autocast)
+                          float(o.clip_grad), run.autocast, path=StepPath(form, off=(off,) if off else ()))

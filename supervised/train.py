@@ -127,7 +127,7 @@ def evaluate(model: nn.Module, loader, device, autocast) -> dict:
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # top-1 hits, top-5 hits, images
     for images, labels in loader:
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with autocast(), uncompiled():  # compile=true compiles the training step only
+        with autocast(), uncompiled():  # `compile` compiles the training step only
             logits = model(images)
         k = min(5, logits.shape[-1])
         top = logits.float().topk(k, dim=-1).indices
@@ -251,6 +251,8 @@ def train(cfg):
     model, teacher, info = build_networks(cfg, n_classes, device)
     n_params = sum(p.numel() for p in model.parameters())
     step = build_supervised_step(cfg, model, teacher, n_classes, run)
+    for line in step.path.lines():  # compiled how, and why not
+        run.print(line)
     o = cfg.optim
     base_lr = scaled_lr(o, cfg.batch_size)
     lr_sched = cosine_schedule(base_lr, o.min_lr, E, ipe, plan["warmup_epochs"], o.warmup_lr)
@@ -291,7 +293,8 @@ def train(cfg):
     # ---- the end: test split, results --------------------------------------------------------
     final = final_test(run, step, test_loader, results, E, it)
     summary = run.finish(summarize(cfg, E, ipe, results["history"], final, bool(cfg.demo), n_params, n_classes, len(dataset),
-                                   cadence.timing_report()["train_images_per_s"], run, info, step.ema))
+                                   cadence.timing_report()["train_images_per_s"], run, info, step.ema)
+                         | {"path": step.path.record()})
     if run.is_main:
         print(result_line(cfg, summary), flush=True)
     return run, model, summary

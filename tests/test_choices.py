@@ -54,7 +54,8 @@ def test_no_module_repeats_a_keys_words():
     lists = all_choices()
     assert {"device", "precision", "launcher", "slurm.cluster", "data.decode", "knn.backend", "features.key",
             "export.format", "linear.mode", "distill.type", "eval.data", "profile.phases", "dino.local_crops",
-            "dino.augment", "dino.bottleneck_norm", "bench.profile", "demo", "dino.cuda_graphs"} <= lists.keys()
+            "dino.augment", "dino.bottleneck_norm", "bench.profile", "demo", "dino.cuda_graphs",
+            "compile"} <= lists.keys()
     found = [f"{path.relative_to(ROOT)}:{line} repeats {key}'s words ({choices(key)})"
              for folder in PACKAGE for path in sorted((ROOT / folder).rglob("*.py"))
              for line, key in repeated_words(path.read_text(), lists)]
@@ -87,7 +88,18 @@ def test_a_flag_or_word_key_is_its_limits_words_as_yaml_reads_them():
     for key in FLAG_OR_WORD:
         assert set(choices(key)) == {"auto", True, False}
         assert all(type(w) in (str, bool) for w in choices(key))
-    assert load_config("dino", "resmlp_s12", ["demo=false"]).dino.cuda_graphs is False   # a flag, not the text
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", "dino.cuda_graphs=false"])
+    assert cfg.dino.cuda_graphs is False   # a flag, not the text
+    assert set(choices("compile")) == {"auto", True, False, "regions", "whole"}
+
+
+@pytest.mark.parametrize("given, value", [("true", True), ("false", False), ("auto", "auto"), ("regions", "regions"),
+                                          ("whole", "whole")])
+def test_every_word_of_compile_is_taken_and_auto_is_the_default(given, value):
+    assert load_config("dino", "resmlp_s12", ["demo=false", f"compile={given}"]).compile == value
+    for command in ("dino", "supervised"):
+        assert load_config(command, "resmlp_s12", ["demo=false"]).compile == "auto"
+    assert load_config("dino", "resmlp_s12", ["demo=false"]).dino.cuda_graphs == "auto"
 
 
 @pytest.mark.parametrize("given, graphs", [("true", True), ("True", True), ("false", False), ("auto", "auto")])
@@ -120,6 +132,7 @@ def test_every_word_of_demo_is_taken_and_the_config_keeps_the_decision():
                                 "false, not a list"),
     ("dino.cuda_graphs='true'", "dino.cuda_graphs='true' is text, not the flag true: write dino.cuda_graphs=true "
                                 "without quotes"),
+    ("compile=always", "compile=always is not allowed: compile must be one of auto, true, false, regions, whole"),
 ])
 def test_a_bad_word_is_one_line_exit_2_and_nothing_is_made(override, line, tmp_path, monkeypatch, capsys):
     from resmlp.core import cli
@@ -154,6 +167,6 @@ def test_the_words_are_read_from_the_limits(tmp_path, monkeypatch):
                                             "true, false$"):
             load_config("dino", "resmlp_s12", ["demo=false", "dino.cuda_graphs=auto"])
         with pytest.raises(UserError, match="must be one of true, false$"):
-            use_cuda_graphs("auto", torch.device("cpu"), 1, False)
+            use_cuda_graphs("auto", torch.device("cpu"), False)
     finally:
         config.all_choices.cache_clear()

@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from resmlp.bench import rows as R
-from resmlp.core.compiling import compile_regions, regions
+from resmlp.core.compiling import compile_as, compile_form, compile_regions, regions
 from resmlp.core.config import load_config
 from resmlp.data.crop_plan import crop_plan
 from resmlp.models.resmlp import ResMLP
@@ -93,19 +93,34 @@ def test_regions_are_the_blocks_whatever_their_class_and_a_network_without_is_co
     assert regions(conv) == [] and compile_regions(conv) == [conv]
 
 
-def test_a_compiled_network_keeps_its_keys_and_computes_the_same():
+@pytest.mark.parametrize("form", ["regions", "whole"])
+def test_a_compiled_network_keeps_its_keys_and_computes_the_same(form):
     torch.manual_seed(0)
     plain, compiled = tiny(2), tiny(2)
     compiled.load_state_dict(plain.state_dict())
     x = torch.randn(3, 3, 16, 16)
     try:
         with cheap_compile():
-            compile_regions(compiled)
+            assert compile_as(compiled, form) == (list(compiled.blocks) if form == "regions" else [compiled])
             out = compiled(x)
         assert list(compiled.state_dict()) == list(plain.state_dict())  # no _orig_mod. anywhere
         torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-6)
     finally:
         torch._dynamo.reset()
+
+
+def test_compile_true_on_a_cpu_compiles_by_region_as_before_and_whole_is_one_graph_per_shape():
+    """compile=true on a CPU is the regional compile it always was, for every trainer; the
+    whole form (DINO's on a GPU when its step is not graphed, or compile=whole) compiles the
+    network as one graph per input shape with every block traced into it (its ops grow with
+    the depth)."""
+    cpu = torch.device("cpu")
+    for command in ("dino", "supervised", "distill", "finetune"):
+        assert compile_form(True, cpu, command) == ("regions", None)
+    whole = lambda m: compile_as(m, "whole")  # noqa: E731
+    one, three = compiled_counts(1, whole), compiled_counts(3, whole)
+    assert one["graphs"] == three["graphs"] == 2 and three["ops"] > one["ops"]
+    assert compile_as(tiny(2), None) == []
 
 
 def test_evaluations_run_a_compiled_network_eagerly():

@@ -316,3 +316,83 @@ def test_run_sh_never_calls_apt_get_with_its_own_python(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert not log.exists(), log.read_text()
     assert out.returncode == 2 and "Fashion-MNIST" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---- 6. the graphed step under a process group and continuing from weights (ssl/graphs.py) ---
+# Run by the GPU campaign: on the CPU tests/test_ddp_graphs.py and tests/test_graphs.py run the
+# same bodies uncaptured (gloo against DDP, and against DinoStep across dino.init's warm-up).
+def twin_graphed_steps(cfg, plan, dev, start=None):
+    """(DinoStep eager, DinoStep graphed) of `cfg` in bf16, with the same weights."""
+    from omegaconf import OmegaConf
+
+    from resmlp.ssl.step import build_dino_step
+    autocast = R.autocast_for(dev, "bf16")
+    torch.manual_seed(0)
+    plain = build_dino_step(OmegaConf.merge(cfg, {"compile": False, "dino": {"cuda_graphs": False}}), plan, dev,
+                            autocast=autocast, start=start)
+    graphed = build_dino_step(OmegaConf.merge(cfg, {"compile": False, "dino": {"cuda_graphs": True}}), plan, dev,
+                              autocast=autocast, start=start)
+    graphed.raw_student.load_state_dict(plain.raw_student.state_dict())
+    graphed.teacher.load_state_dict(plain.teacher.state_dict())
+    return plain, graphed
+
+
+@needs_cuda
+def test_graphed_step_in_a_one_process_nccl_group_reduces_in_its_graph(tmp_path):
+    """torchrun's one-process line: in an NCCL group of one the graphed step takes its flat
+    all-reduce, captured once with the rest, and gives the eager step's losses and weights
+    (to bf16 rounding, as tests/test_graphs.py's graphed-against-eager test)."""
+    import torch.distributed as tdist
+
+    from test_graphs import SCHEDULE
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tdist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, device_id=dev)
+    try:
+        cfg, plan = tiny_step()
+        plain, graphed = twin_graphed_steps(cfg, plan, dev)
+        g = graphed.graphed
+        assert g.reduce and g.flat is not None and graphed.ddp is None
+        for i, (lr, wd, m, temp, epoch) in enumerate(SCHEDULE + [(1.5e-3, 0.1, 0.998, 0.07, 1)] * 4):
+            crops = R.synthetic_crops(plan, 8, dev, seed=i)
+            a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+            b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+            torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+        assert g.captures == 1 and g.calls == len(SCHEDULE) + 4
+        for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
+            torch.testing.assert_close(q, p, rtol=2e-2, atol=2e-3)
+        assert graphed.read()["nonfinite"] == 0
+    finally:
+        tdist.destroy_process_group()
+
+
+@needs_cuda
+def test_graphed_step_continues_from_weights_across_the_head_warmup(tmp_path):
+    """dino.init in the graph: captured once during the head warm-up, the backbone (student and
+    teacher) bitwise as loaded through the warm-up's replays, learning after it at its scale;
+    the eager step's losses and weights to bf16 rounding."""
+    from test_dino_init import start_for, timm_file
+
+    from resmlp.data.crop_plan import crop_plan
+    dev = torch.device("cuda")
+    path, _ = timm_file(tmp_path / "timm.pth")
+    cfg, start = start_for(tmp_path, f"dino.init={path}", "dino.head_warmup_epochs=1", "dino.init_lr_scale=0.25",
+                           "data.local_size=16")
+    plan = crop_plan(cfg)
+    plain, graphed = twin_graphed_steps(cfg, plan, dev, start)
+    at_start = {k: v.clone() for k, v in graphed.raw_student.backbone.state_dict().items()}
+    teacher_at_start = {k: v.clone() for k, v in graphed.teacher.backbone.state_dict().items()}
+    warm = graphed.graphed.calls_to_steady_state + 2   # the warm-up calls, the capture and two replays
+    for i in range(warm + 4):
+        epoch = 0 if i < warm else 1
+        crops = [c[:4] for c in R.synthetic_crops(plan, 4, dev, seed=i)]
+        a = plain([c.clone() for c in crops], 1e-3, 0.04, 0.996, 0.04, epoch)[0].float()
+        b = graphed([c.clone() for c in crops], 1e-3, 0.04, 0.996, 0.04, epoch)[0].float()
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+        if epoch == 0:
+            for net, was in ((graphed.raw_student, at_start), (graphed.teacher, teacher_at_start)):
+                assert all(torch.equal(v, was[k]) for k, v in net.backbone.state_dict().items())
+    assert graphed.graphed.captures == 1
+    assert any(not torch.equal(v, at_start[k]) for k, v in graphed.raw_student.backbone.state_dict().items())
+    for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
+        torch.testing.assert_close(q, p, rtol=2e-2, atol=2e-3)
+    assert graphed.read()["nonfinite"] == 0
