@@ -176,9 +176,11 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
         trained = torch.nn.parallel.DistributedDataParallel(student, **ddp)
     step = DinoStep(trained, teacher, loss_fn, optimizer, scaler, plan.n_crops, float(cfg.optim.clip_grad), autocast,
                     koleo_weight=float(cfg.dino.get("koleo_weight", 0.0)), head_warmup_epochs=warmup, ddp=ddp)
-    if cfg.compile:  # each network's blocks, in place (core/compiling.py)
-        compile_regions(student)
-        compile_regions(teacher)
+    if cfg.compile:  # each network's blocks in place, its head and the loss as regions (core/compiling.py)
+        for net in (student, teacher):
+            compile_regions(net)
+            net.compile_head()
+        loss_fn.compile_regions()
     if graphs:
         step.graphed = GraphedStep(step)
     return step
