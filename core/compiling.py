@@ -26,15 +26,19 @@ when graphed and whole when not.
 Both forms compile in place (`nn.Module.compile`): the network keeps its own modules, so
 state_dict keys stay plain, DDP wraps it as it is, an EMA copy or `fold_affine`'s deep copy
 is a network of its own, and CUDA graphs capture the compiled kernels as they run. By region,
-what sits around the blocks (patch embedding, final norm, pooling, the DINO head and loss)
-stays eager: a few small kernels per step.
+what sits around the blocks (patch embedding, final norm, pooling) stays eager: a few small
+kernels per step. The DINO head and loss, whose passes are over (batch x prototypes) logits,
+are then compiled as functions of their own (`compiled`); whole, the head is part of its
+network's graph and the loss alone is compiled that way.
 
 Shapes are static (`dynamic=False`): one graph per crop size, each as fast as a graph made
 for its shape. Every `nn.Module.compile` of a process shares one code object, and so one
 Dynamo recompile limit (8 graphs; past it torch warns and runs the rest eagerly): the
 DINO step makes 3 (student global and local crops, teacher), 5 while dino.init's frozen
-backbone warms the head up eagerly. Evaluations run the same modules eagerly (`uncompiled`):
-an extraction's last, partial batch would otherwise cost a compilation of its own, for a
+backbone warms the head up. The head and each of the loss's functions have a code object
+and a limit each: the head 2 graphs (student, teacher), 3 with the frozen backbone; the
+loss's 1 each. Evaluations run the same modules eagerly (`uncompiled`): an
+extraction's last, partial batch would otherwise cost a compilation of its own, for a
 pass over the data that runs once per evaluation, not once per step.
 """
 from __future__ import annotations
@@ -142,3 +146,11 @@ def _start_compile_workers() -> None:
 def uncompiled():
     """A context in which compiled modules run their eager code and nothing compiles."""
     return torch.compiler.set_stance("force_eager")
+
+
+def compiled(fn):
+    """`fn` (a function, not a module) compiled as a region of its own: its code object has
+    its own recompile limit, apart from the blocks', and the same static shapes. What the
+    DINO step compiles besides the blocks (compile=true): its heads (ssl/networks.py) and
+    its loss (ssl/loss.py)."""
+    return torch.compile(fn, dynamic=False)

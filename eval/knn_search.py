@@ -21,7 +21,9 @@ Memory stays within `budget` bytes (a small multiple of it at the peak, besides 
 search's own copy of the train features) for any candidate count: queries go in chunks
 (no n_test x n_train matrix exists), a chunk's pass at c candidates takes as many queries
 as c candidates each fit in the budget (`pass_rows`), the pass itself goes over tiles of
-queries x train columns (`_TorchSearch.tile`), and the float64 re-rank runs in tiles of
+queries x train columns (`_TorchSearch.tile`) and recomputes its candidates in slices of
+queries (`_TorchSearch.recompute_rows`), the inputs are checked in slices, and the float64
+re-rank runs in tiles of
 queries x candidates (`rerank_tile`), keeping a running top-k. A collapsed network, whose
 features are all alike, sends every query to the whole train set: its re-rank then
 streams over the train features in tiles instead of gathering n_train float64 vectors
@@ -29,9 +31,10 @@ per query.
 
 On a GPU (torch) everything runs there: the raw features are copied once and made unit
 vectors there in float16, each row's rounding measured (`unit_rows`); the candidate pass
-is a float16 matmul (float32 sums) per tile of up to 4096 queries x tens of thousands of
-train columns, whose similarities are written once and read once, for block maxima
-(`_top_candidates`); the float64 re-rank gathers the candidates there; there is no host
+is a float16 matmul (float32 sums) per tile of a query chunk x tens of thousands of train
+columns, whose similarities are written once and read once, for the maxima of blocks of
+columns; one top-k per chunk picks its best blocks, whose columns are computed again
+(`_TorchSearch`); the float64 re-rank gathers the candidates there; there is no host
 sync but one per round of step 3 (and the input checks); only the k neighbours come back.
 
 Where the time goes: `python -m resmlp.bench.profile profile.phases=knn` times the search's
@@ -118,14 +121,19 @@ def as_tensor(x, name: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return x.detach().to(device, dtype)
 
 
-def _features(x, name: str, device="cpu") -> torch.Tensor:
-    """Raw features as float32 on `device`, checked."""
+def _features(x, name: str, device="cpu", budget: int = BUDGET) -> torch.Tensor:
+    """Raw features as float32 on `device`, checked: finite, in slices within the budget
+    (isfinite over a whole bank would make temporaries of its size)."""
     x = as_tensor(x, name, device=device)
     if x.ndim != 2:
         raise UserError(f"{name} must be 2-D (n, dim), got shape {tuple(x.shape)}")
     if x.shape[0] == 0:
         raise UserError(f"{name} is empty: the split has no images; check data.root / data.subset")
-    if not torch.isfinite(x).all():
+    rows = max(1, budget // (8 * max(1, x.shape[1])))   # |x| and the flags per value
+    finite = torch.ones((), dtype=torch.bool, device=x.device)
+    for s in range(0, x.shape[0], rows):
+        finite &= torch.isfinite(x[s:s + rows]).all()
+    if not finite:
         raise UserError(f"{name} holds NaN or inf values; the backbone's features are broken")
     return x
 
@@ -312,29 +320,6 @@ def unit_rows(x: torch.Tensor, dtype: torch.dtype, inv: torch.Tensor,
     return unit, err
 
 
-def _top_candidates(sims: torch.Tensor, k: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sims.topk(k, dim=1) (values sorted, and their columns), found through block maxima.
-    Every value outside the k blocks with the largest maxima is at most each of those
-    maxima, so at most the k-th largest value of those blocks: their values (and the
-    columns after the last full block) hold the row's top k. One read of the row for the
-    maxima instead of torch.topk's radix passes over a row of many thousand values; the k
-    blocks are gathered whole (a broadcast index, no index per value). Any k values tied
-    at the k-th may be returned, as with topk."""
-    r, n = sims.shape
-    full = n // block
-    if full <= k or block <= 1:
-        return sims.topk(k, dim=1)
-    blocks = sims.unfold(1, block, block)                              # (r, full, block): a view
-    best = blocks.amax(2).topk(k, dim=1).indices                       # (r, k) blocks
-    pool = blocks.gather(1, best.unsqueeze(2).expand(r, k, block)).reshape(r, k * block)
-    if n > full * block:                                               # the ragged end: every value a candidate
-        pool = torch.cat([pool, sims[:, full * block:]], dim=1)
-    top, where = pool.topk(k, dim=1)
-    inside = where < k * block
-    cols = best.gather(1, (where // block).clamp_max(k - 1)) * block + where % block
-    return top, torch.where(inside, cols, where - k * block + full * block)
-
-
 class _Search:
     """What both backends share: the raw train features and their float64 inverse norms
     where the re-rank runs (`device`), the budget, the unit vectors a pass multiplies (in
@@ -386,60 +371,136 @@ class _TorchSearch(_Search):
     cores' full rate (bfloat16's, with 8x finer rounding); its rounding bound (`bound`)
     is all the exactness check of knn_search needs.
 
-    The pass (`__call__`) goes over tiles of queries x bank columns (`tile`): one matmul
-    each, written once as similarities in the pass's dtype, read once for block maxima
-    (_top_candidates), its kc best merged into the query's running kc best. No host sync:
-    the loop only launches work."""
+    The pass (`__call__`), per chunk of queries (`tile`):
+    1. tiles of bank columns, each one matmul whose similarities are written once and read
+       once, for the maxima of blocks of BLOCK columns (a tile holds whole blocks) into the
+       chunk's maxima over the whole bank; the columns after the last whole block (fewer
+       than BLOCK) are kept as they are, every one a candidate;
+    2. one top-k over those maxima: the kb = kc blocks with the largest (`_best_blocks`);
+    3. those blocks' columns computed again by the matmul's arithmetic, in slices of the
+       chunk (`recompute_rows`), and the top kc of them and the kept columns: the
+       candidates (`_recompute`).
+    Why that is exact: a column outside the kb blocks is at most its block's maximum, so at
+    most the kb-th largest maximum M; one inside them that is not kept is at most the last
+    kept value t. The pass value of every column left out is therefore at most max(t, M),
+    and both are values of the pass's arithmetic (its dtype's operands, float32 sums, a
+    faithful rounding to the dtype), so `bound` of max(t, M) is a ceiling, as it is of t
+    after one top-k over the whole row. kb = kc blocks hold at least kc columns. Where the
+    bank has no more whole blocks than kc (a wide search of a small bank) a tile is whole
+    rows and one top-k over them. No host sync: the loop only launches work."""
 
     DTYPES = {"cuda": torch.float16, "cpu": torch.float32}   # the candidate pass, per device type
-    BLOCK = 64    # columns per block maximum (_top_candidates)
+    BLOCK = 64    # bank columns per block maximum
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
         super().__init__(train, device, budget, self.DTYPES.get(device.type, torch.float32))
 
+    def prunes(self, kc: int) -> bool:
+        """Whether the pass at kc candidates goes through block maxima: more whole blocks
+        than kc in the bank."""
+        return self.unit.shape[0] // self.BLOCK > kc
+
     def tile(self, kc: int) -> tuple[int, int]:
         """(queries, bank columns) of one matmul at kc candidates per query, within the
-        budget: per query, the columns' similarities and their block maxima (with topk's
-        copies), the kc gathered blocks and the running candidates; 4096 queries where
-        that leaves a few block-columns per candidate, else fewer."""
+        budget. With block maxima: per query, the chunk's maxima over the whole bank with
+        topk's copies and the candidates, on at most half the budget (4096 queries where
+        they fit), and the rest for the tile's similarities and their maxima, in whole
+        blocks. Without: whole rows, with topk's copies."""
         n, size, block = self.unit.shape[0], self.unit.element_size(), self.BLOCK
-        fixed = 4 * kc * (size + 8) + kc * block * (2 * size + 8)
-        per_col = size + (2 * size + 8) / block
-        cols = int((self.budget / _MAX_CHUNK - fixed) / per_col) // block * block
-        cols = min(n, max(cols, 2 * kc * block))
-        if cols // block > kc:
-            per_row = fixed + cols * per_col
-        else:   # blocks cannot prune (a wide search of a small bank): whole rows, topk's sort copies
-            cols, per_row = n, 4 * kc * (size + 8) + n * (2 * size + 8)
-        return max(1, min(_MAX_CHUNK, int(self.budget // per_row))), cols
+        out = 4 * kc * (size + 8)
+        if not self.prunes(kc):
+            return max(1, min(_MAX_CHUNK, int(self.budget // (out + n * (2 * size + 8))))), n
+        per_row = (n // block) * (2 * size + 8) + out
+        rows = max(1, min(_MAX_CHUNK, int(self.budget // (2 * per_row))))
+        cols = int((self.budget / rows - per_row) / (size + size / block)) // block * block
+        return rows, (n if cols >= n else max(cols, block))
+
+    def recompute_rows(self, kc: int, d: int) -> int:
+        """Queries of one slice of step 3 at kc candidates: per query, the rows of its kc
+        blocks gathered (kc x BLOCK x d values), their similarities, their bank columns, and
+        the pool of those and the kept columns with topk's copies."""
+        size, block = self.unit.element_size(), self.BLOCK
+        per = kc * block * (d * size + 3 * size + 24) + block * (2 * size + 24) + 4 * kc * (size + 8)
+        return max(1, int(self.budget // per))
 
     def rows_for(self, kc: int) -> int:
-        """Queries per matmul at kc candidates."""
+        """Queries per chunk at kc candidates."""
         return self.tile(kc)[0]
 
     def __call__(self, q: torch.Tensor, kc: int) -> tuple[torch.Tensor, torch.Tensor]:
         with phase("queries: norms, unit rows"):
             unit, err = self.queries(q)
-        n = self.unit.shape[0]
+        n, block = self.unit.shape[0], self.BLOCK
         rows, cols = self.tile(kc)
+        prune = self.prunes(kc)
+        if prune and cols < n:   # whole blocks per tile, whatever tile says
+            cols = max(block, cols // block * block)
         last, cand = [], []
         with torch.no_grad(), _pass_precision():
             for s in range(0, unit.shape[0], rows):
-                top = idx = None
+                uq = unit[s:s + rows]
+                if not prune:
+                    with phase("pass: matmul"):
+                        sims = uq @ self.unit.T
+                    with phase("pass: block maxima, merge"):
+                        top, idx = sims.topk(kc, dim=1)
+                    last.append(top[:, -1])
+                    cand.append(idx)
+                    continue
+                maxima = torch.empty(uq.shape[0], n // block, dtype=self.dtype, device=self.device)
+                rest = None   # the similarities of the columns after the last whole block
                 for c in range(0, n, cols):
                     with phase("pass: matmul"):
-                        sims = unit[s:s + rows] @ self.unit[c:c + cols].T
+                        sims = uq @ self.unit[c:c + cols].T
                     with phase("pass: block maxima, merge"):
-                        v, i = _top_candidates(sims, min(kc, sims.shape[1]), self.BLOCK)
-                        i = i + c
-                        if top is not None:   # the running kc best: the top of a union is the top of the tops
-                            v, w = torch.cat([top, v], 1).topk(min(kc, top.shape[1] + v.shape[1]), dim=1)
-                            i = torch.cat([idx, i], 1).gather(1, w)
-                        top, idx = v, i
-                last.append(top[:, -1])
-                cand.append(idx)
+                        whole = sims.shape[1] // block
+                        torch.amax(sims[:, :whole * block].unflatten(1, (whole, block)), 2,
+                                   out=maxima[:, c // block:c // block + whole])
+                        if whole * block < sims.shape[1]:
+                            rest = sims[:, whole * block:].clone()
+                    del sims
+                with phase("pass: best blocks, recompute"):
+                    m, blocks = _best_blocks(maxima, kc)
+                    del maxima
+                    top, idx = _recompute(uq, self.unit, blocks, rest, kc, block,
+                                          self.recompute_rows(kc, unit.shape[1]))
+                    last.append(torch.maximum(top[:, -1], m))
+                    cand.append(idx)
         with phase("pass: block maxima, merge"):
             return self.bound(torch.cat(last), err, unit.shape[1]), torch.cat(cand)
+
+
+def _best_blocks(maxima: torch.Tensor, kb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kb-th largest block maximum, the kb blocks with the largest) of each row of a
+    chunk's block maxima: the chunk's one top-k over the bank."""
+    m, blocks = maxima.topk(kb, dim=1, sorted=False)
+    return m.amin(1), blocks
+
+
+def _recompute(uq: torch.Tensor, bank: torch.Tensor, blocks: torch.Tensor, rest: torch.Tensor | None,
+               kc: int, block: int, per: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top kc (values sorted, and their bank columns) of each query's columns in
+    `blocks` (the blocks of `block` bank rows it picked) and after the last whole block
+    (`rest`: their similarities, or None), in slices of `per` queries. The blocks'
+    similarities are computed again as the matmul computed them: the same unit rows in the
+    same dtype, float32 sums (a batched matrix-vector product), rounded to the dtype."""
+    full = bank.shape[0] // block
+    by_block = bank[:full * block].view(full, block, bank.shape[1])
+    offsets = torch.arange(block, device=bank.device)
+    tops, idxs = [], []
+    for s in range(0, uq.shape[0], per):
+        b = blocks[s:s + per]
+        rows = by_block[b].flatten(1, 2)                                  # (r, kb * block, d)
+        sims = torch.bmm(rows, uq[s:s + per].unsqueeze(2)).squeeze(2)     # (r, kb * block)
+        del rows
+        cols = (b.unsqueeze(2) * block + offsets).flatten(1)
+        if rest is not None:
+            sims = torch.cat([sims, rest[s:s + per]], 1)
+            cols = torch.cat([cols, (full * block + offsets[:rest.shape[1]]).expand(cols.shape[0], -1)], 1)
+        top, where = sims.topk(kc, dim=1)
+        tops.append(top)
+        idxs.append(cols.gather(1, where))
+    return torch.cat(tops), torch.cat(idxs)
 
 
 class _FaissSearch(_Search):
@@ -563,8 +624,8 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     budget = int(budget or BUDGET)
     where = dev if name == "torch" else torch.device("cpu")   # where the features are searched
     with phase("inputs: copy, checks"):
-        train = _features(train_features, "train features", where)
-        test = _features(test_features, "test features", where)
+        train = _features(train_features, "train features", where, budget)
+        test = _features(test_features, "test features", where, budget)
     if train.shape[1] != test.shape[1]:
         raise UserError(f"train features have dim {train.shape[1]}, test features {test.shape[1]}: "
                         "they must come from the same backbone")

@@ -7,8 +7,10 @@ For teacher targets q_i (the 2 global views) and student outputs s_v (all views)
 `dino.centering` says how the teacher's outputs t_i become the targets q_i:
 
 - `mean` (DINO): q_i = softmax((t_i - c) / T_t), and after each call the center moves:
-  c <- m c + (1 - m) mean(t) (m = center_momentum). lightly's DINOLoss computes both, its
-  center update all-reduced over processes by lightly itself.
+  c <- m c + (1 - m) mean(t) (m = center_momentum): lightly's DINOLoss keeps the center and
+  moves it (`update_center`, all-reduced over processes by lightly itself); the loss is the
+  same cross-entropy as under either centering (tests/test_dino.py checks it against
+  lightly's DINOLoss.forward and a plain implementation).
 - `sinkhorn` (DINOv2): q = Sinkhorn-Knopp of exp(t / T_t) over the global batch (every
   process's rows of both global views together): the rows of q are each image's target and
   every prototype gets the same share of the batch, which no uniform or one-hot output can
@@ -24,6 +26,11 @@ feature away from its nearest neighbour in the batch, spreading the features.
 
 The teacher temperature T_t is passed per call (its warm-up schedule lives in the
 trainer). tests/test_dino.py checks both against plain implementations.
+
+With `compile=true` the cross-entropy (the student's log-softmax over every view and its
+backward: the loss's largest passes) and the mean centering's targets run compiled, each a
+region of its own (`DinoLoss.compile_regions`); Sinkhorn-Knopp (its all-reduces) and the
+center's update stay eager.
 """
 from __future__ import annotations
 
@@ -32,6 +39,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SINKHORN_ITERATIONS = 3  # DINOv2's
+
+
+def cross_entropy(q: torch.Tensor, student_out: list[torch.Tensor], student_temp: float) -> torch.Tensor:
+    """DINO's loss from the targets q ((views x B, K): the teacher's views, view by view)
+    and the student's outputs (one (B, K) per view): the mean over every (teacher view,
+    other student view) pair of the cross-entropy -sum_k q_k log softmax(s / T_s)_k."""
+    q = q.view(-1, student_out[0].shape[0], q.shape[-1])
+    log_p = F.log_softmax(torch.stack(student_out).float() / student_temp, dim=-1)
+    cross = -torch.einsum("tbk,sbk->ts", q, log_p) / q.shape[1]  # (teacher view, student view)
+    cross.fill_diagonal_(0)  # a view is not its own target
+    return cross.sum() / (cross.numel() - min(cross.shape))
+
+
+def centered_softmax(t: torch.Tensor, center: torch.Tensor, teacher_temp: torch.Tensor) -> torch.Tensor:
+    """DINO's targets: softmax((t - center) / T_t), T_t a 0-dim tensor (a number would be
+    a constant of a compiled graph, one graph per value of its warm-up)."""
+    return F.softmax((t - center.reshape(1, -1)) / teacher_temp, dim=-1)
 
 
 class DinoLoss(nn.Module):
@@ -47,6 +71,12 @@ class DinoLoss(nn.Module):
         self.dino = DINOLoss(dino_cfg.out_dim, student_temp=self.student_temp,
                              center_momentum=dino_cfg.center_momentum, warmup_teacher_temp_epochs=0)
         self.koleo_loss = KoLeoLoss()
+        self.cross_entropy, self.centered_softmax = cross_entropy, centered_softmax
+
+    def compile_regions(self) -> None:
+        """The cross-entropy and the mean centering's targets compiled (compile=true)."""
+        from resmlp.core.compiling import compiled
+        self.cross_entropy, self.centered_softmax = compiled(cross_entropy), compiled(centered_softmax)
 
     @property
     def center(self) -> torch.Tensor:
@@ -57,24 +87,24 @@ class DinoLoss(nn.Module):
         """(N, K) teacher outputs of this process -> (N, K) targets, each row summing to 1."""
         t = teacher_out.float()
         if self.centering == "mean":
-            return F.softmax((t - self.center.reshape(1, -1)) / teacher_temp, dim=-1)
+            if not isinstance(teacher_temp, torch.Tensor):   # a fill kernel: no copy from the host
+                teacher_temp = torch.full((), float(teacher_temp), device=t.device)
+            return self.centered_softmax(t, self.center, teacher_temp)
         from lightly.loss.capi_loss import sinkhorn_knopp
         q = sinkhorn_knopp((t / teacher_temp).unsqueeze(1), iterations=SINKHORN_ITERATIONS, gather_distributed=True)
         return q.squeeze(1)
 
     def forward(self, teacher_out: list[torch.Tensor], student_out: list[torch.Tensor], teacher_temp: float,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The loss over every (teacher view, other student view) pair. `targets`: what
-        `targets` gave for torch.cat(teacher_out), computed here when not passed."""
-        if self.centering == "mean":
-            return self.dino(teacher_out, student_out, teacher_temp=teacher_temp)  # moves the center
+        """The loss over every (teacher view, other student view) pair; with the mean
+        centering the center then moves. `targets`: what `targets` gave for
+        torch.cat(teacher_out), computed here when not passed."""
         if targets is None:
             targets = self.targets(torch.cat(teacher_out), teacher_temp)
-        q = targets.view(len(teacher_out), -1, targets.shape[-1])
-        log_p = F.log_softmax(torch.stack(student_out).float() / self.student_temp, dim=-1)
-        cross = -torch.einsum("tbk,sbk->ts", q, log_p) / q.shape[1]  # (teacher view, student view)
-        cross.fill_diagonal_(0)  # a view is not its own target
-        return cross.sum() / (cross.numel() - min(cross.shape))
+        loss = self.cross_entropy(targets, student_out, self.student_temp)
+        if self.centering == "mean":
+            self.dino.update_center(torch.stack(teacher_out).float())
+        return loss
 
     def koleo(self, global_features: torch.Tensor) -> torch.Tensor:
         """KoLeo of the student's pooled features of the 2 global views ((2B, D), view by

@@ -15,15 +15,25 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.ssl.head import build_head, head_forward
 
 
 class MultiCropNet(nn.Module):
-    def __init__(self, backbone: nn.Module, head: nn.Module):
+    """`head_precision`: dino.head_precision (ssl/head.py). `compile_head` makes the head's
+    call a compiled region of its own (compile=true; the blocks are compiled apart)."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module, head_precision: str = "fp32"):
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.head_precision = head_precision
+        self.head_forward = head_forward
+
+    def compile_head(self) -> None:
+        from resmlp.core.compiling import compiled
+        self.head_forward = compiled(head_forward)
 
     def forward(self, crops: list[torch.Tensor], global_features: bool = False):
         """The head's outputs of every crop, in the crops' order; with global_features,
@@ -36,7 +46,7 @@ class MultiCropNet(nn.Module):
                 end += 1
             features.append(self.backbone(torch.cat(crops[start:end])))
             start = end
-        out = head_forward(self.head, torch.cat(features))
+        out = self.head_forward(self.head, torch.cat(features), self.head_precision)
         if global_features:
             return out, features[0][:2 * crops[0].shape[0]]
         return out
@@ -79,13 +89,15 @@ def build_networks(cfg, plan, device, hooks: DinoHooks | None = None, start=None
         student_backbone.grid_adapt = plan.grid_adapt
     dim = student_backbone.num_features
     head = hooks.head or (lambda h, dino_cfg: h)
-    student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino))
+    precision = cfg.dino.get("head_precision", "fp32")
+    check_choice("dino.head_precision", precision)   # a config built in code, not by load_config
+    student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino), precision)
     if start is not None and start.backbone is not None:
         student.backbone.load_state_dict(start.backbone)
         if start.head is not None:
             student.head.load_state_dict(start.head)
     student = student.to(device)
-    teacher = MultiCropNet(teacher_backbone, head(build_head(dim, cfg.dino), cfg.dino)).to(device)
+    teacher = MultiCropNet(teacher_backbone, head(build_head(dim, cfg.dino), cfg.dino), precision).to(device)
     teacher.load_state_dict(student.state_dict())
     for p in teacher.parameters():
         p.requires_grad_(False)

@@ -183,6 +183,11 @@ def build_dino_step(cfg, plan, device: torch.device, scaler: torch.amp.GradScale
                     path=path)
     compile_as(student, path.compile)  # in place (core/compiling.py)
     compile_as(teacher, path.compile)
+    if path.compile == "regions":  # the heads as regions of their own; whole, each is in its network's graph
+        student.compile_head()
+        teacher.compile_head()
+    if path.compile is not None:
+        loss_fn.compile_regions()
     if path.cuda_graphs:
         step.graphed = GraphedStep(step)
     if hooks is not None and hooks.step:

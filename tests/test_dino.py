@@ -257,17 +257,17 @@ def test_knn_report_draws_the_neighbours_grid_only_when_asked(tmp_path, monkeypa
 
 @needs_fmnist
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
-    from lightly.loss import DINOLoss
     from resmlp.ssl import train as dino_train
+    from resmlp.ssl.loss import DinoLoss
     calls = {"n": 0}
-    real = DINOLoss.forward
+    real = DinoLoss.forward
 
     def poisoned(self, *a, **k):
         calls["n"] += 1
         loss = real(self, *a, **k)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(DINOLoss, "forward", poisoned)
+    monkeypatch.setattr(DinoLoss, "forward", poisoned)
     cfg = tiny_cfg(tmp_path, "ckpt_every=1", "epochs=3")
     with pytest.raises(RunFailed, match="nan.*intact"):
         dino_train.train(cfg)

@@ -3,6 +3,7 @@ and few-label banks (eval/knn.py, eval/few_labels.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -168,11 +169,11 @@ def test_the_gpus_half_precision_candidate_pass_keeps_the_neighbours_exact(monke
 
 def test_the_phase_clock_times_every_tile_and_round_and_changes_nothing(monkeypatch):
     """bench/profile.py's k-NN phases: with a PhaseClock installed (knn_search.timed_phases)
-    every tile's matmul and its block maxima and merge are spans, each round is noted with its
-    queries and candidates (near ties under float16: a wider round), the vote is a span, and
-    the scores are those of a call without the clock; none is left installed after it."""
-    import math
-
+    every tile's matmul and its block maxima are spans, and so is each chunk's choice of
+    blocks and their recomputation; each round is noted with its queries and candidates
+    (near ties under float16: a wider round, whose candidates outnumber the blocks: whole
+    rows), the vote is a span, and the scores are those of a call without the clock; none
+    is left installed after it."""
     from resmlp.bench.timing import PhaseClock
     ties, queries = near_tie_features()
     n = len(ties)
@@ -190,10 +191,14 @@ def test_the_phase_clock_times_every_tile_and_round_and_changes_nothing(monkeypa
                for a, b in zip(rounds, rounds[1:]))
     searched = [r for r in rounds if r["candidates"] < n]
     chunks = sum(math.ceil(r["queries"] / r["chunk"]) for r in rounds)
-    calls = sum(math.ceil(r["queries"] / r["chunk"]) for r in searched)     # one tile row per call: 5 queries
-    assert spans["pass: matmul"]["calls"] == calls * math.ceil(n / 700)
-    assert spans["pass: block maxima, merge"]["calls"] == calls * (math.ceil(n / 700) + 1)   # + the ceiling
-    assert spans["queries: norms, unit rows"]["calls"] == calls
+    calls = [math.ceil(r["queries"] / r["chunk"]) for r in searched]     # one chunk per call: 5 queries
+    pruned = [c for c, r in zip(calls, searched) if n // 64 > r["candidates"]]
+    assert pruned and sum(pruned) < sum(calls)                               # both kinds of pass ran
+    tiles = math.ceil(n / 640)                                               # 700 columns: 10 whole blocks
+    assert spans["pass: matmul"]["calls"] == sum(pruned) * tiles + sum(calls) - sum(pruned)
+    assert spans["pass: block maxima, merge"]["calls"] == spans["pass: matmul"]["calls"] + sum(calls)  # + the ceiling
+    assert spans["pass: best blocks, recompute"]["calls"] == sum(pruned)
+    assert spans["queries: norms, unit rows"]["calls"] == sum(calls)
     assert spans["re-rank"]["calls"] == spans["check, scatter"]["calls"] == chunks
     assert spans["round's count (host sync)"]["calls"] == len(rounds)
     for name in ("inputs: copy, checks", "bank: norms, unit rows", "copy back", "vote"):
@@ -279,25 +284,36 @@ def test_tiny_budgets_give_the_exact_neighbours(monkeypatch, budget):
 
 
 def test_the_pass_tiles_fit_the_budget():
-    """tile(kc): 4096 queries x a multiple of the block where the budget allows (the H100
-    bench's 1.28M x 384 at 512 MiB: float16 tiles of 45k columns), fewer queries where it
-    does not, and within the budget by the tile's own count of bytes."""
+    """tile(kc) and recompute_rows(kc): within the budget by the structures' own count of
+    bytes (the chunk's block maxima over the bank with topk's copies, the tile's
+    similarities and their maxima; the gathered rows of a slice's blocks and their
+    similarities), tiles of whole blocks, the maxima on at most half the budget; at the
+    H100 bench's size (1.28M x 384 at 512 MiB, float16) chunks of over a thousand queries,
+    so that the bank is read a few dozen times for 50k queries, not hundreds."""
     search = S._TorchSearch.__new__(S._TorchSearch)
+    block = search.BLOCK
     for n, size, budget, kcs in ((1_281_167, 2, S.BUDGET, (40, 160, 640, 2560, 40960)),
                                  (60_000, 4, 2**20, (30, 120, 480, 36_000)), (12, 2, 2**20, (5,))):
         search.unit, search.budget = torch.empty(n, 0, dtype=torch.float16 if size == 2 else torch.float32), budget
         for kc in kcs:
             rows, cols = search.tile(kc)
-            block = search.BLOCK
-            if cols // block > kc:
-                per_row = 4 * kc * (size + 8) + kc * block * (2 * size + 8) + cols * (size + (2 * size + 8) / block)
+            out = 4 * kc * (size + 8)                                        # the candidates, with copies
+            if n // block > kc:
+                assert search.prunes(kc)
+                maxima = (n // block) * (2 * size + 8) + out                  # values, topk's copies
+                assert rows == 1 or rows * maxima <= budget / 2, (n, kc, rows)
                 assert cols == n or cols % block == 0
+                assert rows == 1 or rows * (maxima + cols * (size + size / block)) <= budget, (n, kc, rows, cols)
+                d = 384
+                per = search.recompute_rows(kc, d)
+                gathered = kc * block * (d * size + 3 * size + 24) + block * (2 * size + 24) + out
+                assert per == 1 or per * gathered <= budget, (n, kc, per)
             else:
-                assert cols == n
-                per_row = 4 * kc * (size + 8) + n * (2 * size + 8)
-            assert rows == 1 or rows * per_row <= budget, (n, kc, rows, cols)
+                assert not search.prunes(kc) and cols == n
+                assert rows == 1 or rows * (out + n * (2 * size + 8)) <= budget, (n, kc, rows)
     search.unit, search.budget = torch.empty(1_281_167, 0, dtype=torch.float16), S.BUDGET
-    assert search.tile(40) == (4096, 45120)
+    rows, cols = search.tile(40)
+    assert rows >= 1024 and cols % block == 0 and math.ceil(50_000 / rows) <= 50
 
 
 @pytest.mark.cuda
@@ -317,14 +333,85 @@ def test_the_gpu_search_gives_the_cpus_neighbours(monkeypatch):
         bound_holds(dtype, "cuda")
 
 
-def test_top_candidates_through_block_maxima_is_topk():
+def straddling_features(n=2000, m=8, d=24, block=7, seed=11):
+    """Adversarial for the block maxima: each query's 30 nearest (cosines 0.95 + 1e-7 x a
+    shuffled rank, below float16's resolution there) sit on both sides of block boundaries
+    (the last column of a block and the first of the next), a few in one block, and some
+    among the columns after the last whole block; one query's nearest are exact duplicates
+    of one row (ties to the lower index, across boundaries); its own zero row and a row of
+    norm 1e-30 among them."""
+    g = np.random.default_rng(seed)
+    q = g.standard_normal((m, d))
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    train = g.standard_normal((n, d))
+    full = n // block
+    for i in range(m):
+        r = g.standard_normal((30, d))
+        r -= (r @ q[i])[:, None] * q[i]
+        r /= np.linalg.norm(r, axis=1, keepdims=True)
+        c = 0.95 + 1e-7 * g.permutation(30)[:, None]
+        near = c * q[i] + np.sqrt(1 - c * c) * r
+        edges = g.choice(np.arange(1, full), 10, replace=False) * block
+        cols = np.concatenate([edges - 1, edges, block * g.integers(0, full) + np.arange(min(block, 6)),
+                               np.arange(full * block, n)])[:30]
+        train[cols] = near[:len(cols)]
+    dup = g.choice(np.arange(1, full), 12, replace=False) * block
+    train[np.concatenate([dup - 1, dup])] = train[dup[0] - 1]
+    q[0] = train[dup[0] - 1] / np.linalg.norm(train[dup[0] - 1])
+    train[block * 3 - 1] = 0.0
+    train[block * 3] = q[1] * 1e-30
+    return train.astype(np.float32), q.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block", [7, 16])
+def test_neighbours_across_block_boundaries_ties_and_tiny_norms_stay_exact(monkeypatch, dtype, block):
+    """The pass through block maxima (a chunk's one top-k over them, the picked blocks
+    computed again) with the nearest features on both sides of block boundaries, in the
+    columns after the last whole block, exact duplicates across boundaries, a zero row and
+    one of norm 1e-30; n not a multiple of the block or of the tile; k from 1 to more than
+    the bank's blocks: the float64 brute force's neighbours and similarities."""
+    monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", dtype)
+    monkeypatch.setattr(S._TorchSearch, "BLOCK", block)
+    train, test = straddling_features(n=2003, block=block)
+    seen = []
+    real = S._best_blocks
+    monkeypatch.setattr(S, "_best_blocks", lambda maxima, kb: seen.append(kb) or real(maxima, kb))
+    for k in (1, 20, 45, 2003 // block + 1, 2003):   # the fourth: more neighbours than the bank has blocks
+        assert_exact(knn_search(train, test, k, backend="torch", device="cpu"), train, test, k)
+    assert any(kb < 2003 // block for kb in seen)      # the block maxima were used
+    monkeypatch.setattr(S._TorchSearch, "tile", lambda self, kc: (3, 5 * block + 3))   # ragged tiles, small chunks
+    assert_exact(knn_search(train, test, 20, backend="torch", device="cpu"), train, test, 20)
+
+
+def test_the_pass_through_block_maxima_finds_the_top_of_each_row(monkeypatch):
+    """_TorchSearch's candidates at kc (float32 pass, blocks of 7, the columns after the
+    last whole block) are the top kc of the whole row of the same matmul: the top of one
+    query inside one block, of another across boundaries and in the last columns; the
+    ceiling is at least the bound of the last one, and at least the bound of the kc-th
+    largest block maximum even where the recomputation rounds lower than the matmul."""
     g = torch.Generator().manual_seed(0)
-    sims = torch.randn(40, 1003, generator=g).bfloat16()   # bf16: many ties
-    sims[3, 500:540] = 9.0                                  # one block holds the whole top
-    for k, block in ((5, 7), (20, 16), (30, 64), (40, 1)):
-        v, i = S._top_candidates(sims, k, block)
-        assert torch.equal(v, sims.topk(k, dim=1).values)
-        assert torch.equal(sims.gather(1, i), v) and (i.sort(1).values.diff(1) > 0).all()
+    train = torch.randn(1003, 16, generator=g)
+    test = torch.randn(5, 16, generator=g)
+    train[500:540] = test[3] + 0.3 * torch.randn(40, 16, generator=g)       # one query's top: a few blocks
+    train[[69, 70, 139, 140, 1001, 1002]] = test[4] + 0.3 * torch.randn(6, 16, generator=g)
+    search = S._TorchSearch(train, torch.device("cpu"))
+    search.BLOCK = 7
+    for kc in (1, 6, 30, 143):   # 143 = the bank's whole blocks: no pruning
+        ceiling, idx = search(test, kc)
+        unit, err = search.queries(test)
+        sims = unit @ search.unit.T
+        want = sims.topk(kc, dim=1)
+        assert torch.equal(idx.sort(1).values, want.indices.sort(1).values), kc
+        torch.testing.assert_close(sims.gather(1, idx).sort(1).values, want.values.sort(1).values, rtol=0, atol=1e-6)
+        assert (ceiling >= search.bound(want.values[:, -1], err, 16) - 1e-6).all()
+    assert set(search(test, 6)[1][4].tolist()) == {69, 70, 139, 140, 1001, 1002}
+    real = S._recompute
+    monkeypatch.setattr(S, "_recompute", lambda *a: (lambda top, idx: (top - 1.0, idx))(*real(*a)))
+    for kc in (1, 6, 30):
+        ceiling = search(test, kc)[0]
+        maxima = sims[:, :143 * 7].unflatten(1, (143, 7)).amax(2)
+        assert (ceiling >= search.bound(maxima.topk(kc, dim=1).values[:, -1], err, 16)).all(), kc
 
 
 def test_chunking_does_not_change_results():
@@ -496,16 +583,20 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import numpy as np
     import torch
     sys.path.insert(0, sys.argv[1])
-    from test_knn import collapsed_features
+    import test_knn
     from resmlp.eval import knn_search as S
 
     def kb(field):
         return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 
     n, m, d, k, budget = (int(v) for v in sys.argv[2:7])
+    kind, dtype = sys.argv[8], getattr(torch, sys.argv[9])   # which features; the torch pass's dtype
+    S._TorchSearch.DTYPES["cpu"] = dtype
     torch.set_num_threads(1)          # a busy shared machine: one thread is faster and steadier
-    train, test = (torch.from_numpy(x) for x in collapsed_features(n, m, d))
-    calls, tiles = [], []
+    train, test = (torch.from_numpy(x) for x in getattr(test_knn, kind + "_features")(n, m, d))
+    calls, tiles, maxima = [], [], []
+    best = S._best_blocks
+    S._best_blocks = lambda mx, kb: maxima.append(list(mx.shape)) or best(mx, kb)
     exact = S._exact_similarities
     S._exact_similarities = lambda q, qi, tr, ti, idx: tiles.append(list(idx.shape)) or exact(q, qi, tr, ti, idx)
     for cls in (S._TorchSearch, S._FaissSearch):
@@ -516,12 +607,12 @@ MEMORY_SCRIPT = textwrap.dedent("""
     out = {}
     for backend in sys.argv[7].split(","):
         S.knn_search(train[:100], test[:2], 5, backend=backend, device="cpu")   # imports, libraries
-        calls.clear(), tiles.clear()
+        calls.clear(), tiles.clear(), maxima.clear()
         before = kb("VmRSS")
         open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS
         sims, idx = S.knn_search(train, test, k, backend=backend, device="cpu", budget=budget)
         out[backend] = {"peak": 1024 * (kb("VmHWM") - before), "calls": list(calls), "tiles": list(tiles),
-                        "idx": idx.tolist(), "sims": sims.tolist()}
+                        "maxima": list(maxima), "idx": idx.tolist(), "sims": sims.tolist()}
     print(json.dumps(out))
 """)
 
@@ -537,7 +628,8 @@ def test_a_collapsed_network_stays_within_the_memory_budget():
     n, m, d, k, budget = 60_000, 24, 32, 1500, 2 * 2**20
     backends = ["torch"] + (["faiss"] if HAVE_FAISS else [])
     run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, os.path.dirname(__file__), str(n), str(m), str(d),
-                          str(k), str(budget), ",".join(backends)], capture_output=True, text=True, timeout=300)
+                          str(k), str(budget), ",".join(backends), "collapsed", "float32"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(run.stdout)
     train, test = collapsed_features(n, m, d)
@@ -557,6 +649,42 @@ def test_a_collapsed_network_stays_within_the_memory_budget():
         assert [1, 2520] in r["tiles"], backend
         data = n * d * 4 + n * 8      # the search's unit-vector copy and the float64 inverse norms
         assert r["peak"] <= data + 6 * budget, (backend, r["peak"] / 2**20)
+
+
+def clustered_features(n, m, d, seed=0):
+    """Features around 50 centres, the queries among them: each query's neighbours are a
+    small part of the bank, so that the pass prunes by block maxima."""
+    g = np.random.default_rng(seed)
+    centres = g.standard_normal((50, d))
+    train = centres[g.integers(0, 50, n)] + 0.5 * g.standard_normal((n, d))
+    test = centres[g.integers(0, 50, m)] + 0.5 * g.standard_normal((m, d))
+    return train.astype(np.float32), test.astype(np.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_the_pass_through_block_maxima_stays_within_the_memory_budget():
+    """The float16 pass through block maxima (100k x 64 clustered features, 1562 blocks for
+    40 candidates) with a 2 MiB budget, in a fresh process: each chunk's maxima over the
+    bank on at most half the budget, the float64 brute force's neighbours, and a peak
+    within the search's float16 copy of the features, their float64 inverse norms and a few
+    budgets (the same bound as the collapsed search's, which never prunes). The finiteness
+    check of the inputs goes in slices too: over the whole bank at once its temporaries
+    alone (|x| and flags, 5 bytes per value) would pass that bound."""
+    n, m, d, k, budget = 100_000, 64, 64, 20, 2 * 2**20
+    run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, os.path.dirname(__file__), str(n), str(m), str(d),
+                          str(k), str(budget), "torch", "clustered", "float16"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(run.stdout)["torch"]
+    train, test = clustered_features(n, m, d)
+    want, sims = plain_neighbours(train, test, k)
+    assert (np.array(r["idx"]) == want).all()
+    np.testing.assert_allclose(r["sims"], sims, rtol=0, atol=1e-15)
+    assert r["maxima"] and all(blocks == n // 64 for _, blocks in r["maxima"])   # pruned, every chunk
+    assert all(rows * blocks * (2 * 2 + 8) <= budget / 2 for rows, blocks in r["maxima"])
+    data = n * d * 2 + n * 8
+    assert r["peak"] <= data + 6 * budget, r["peak"] / 2**20
 
 
 def counting_syncs(fn, syncs: list):
@@ -585,9 +713,9 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
     xtr = centers[torch.randint(0, 100, (n,), generator=g)] + 0.5 * torch.randn(n, d, generator=g)
     xte = centers[torch.randint(0, 100, (256,), generator=g)] + 0.5 * torch.randn(256, d, generator=g)
     seen = []
-    real = S._top_candidates
-    monkeypatch.setattr(S, "_top_candidates", lambda sims, k, block: seen.append(
-        (sims.shape[1] // block, k, sims.device.type)) or real(sims, k, block))
+    real = S._best_blocks
+    monkeypatch.setattr(S, "_best_blocks", lambda maxima, kb: seen.append(
+        (maxima.shape[1], kb, maxima.device.type)) or real(maxima, kb))
     want_s, want_i = knn_search(xtr, xte, 20, backend="torch", device="cpu")
     seen.clear()
     syncs = []
@@ -605,7 +733,7 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
         timed = knn_search(xtr.to(device), xte.to(device), 20, backend="torch", device=device)
     assert not syncs, syncs[:3]
     assert torch.equal(timed[1], got_i) and torch.equal(timed[0], got_s)
-    assert clock.read()["pass: matmul"]["calls"] == len(seen) // 2 > 0   # seen: both searches' tiles
+    assert clock.read()["pass: best blocks, recompute"]["calls"] == len(seen) // 2 > 0   # seen: both searches' chunks
 
     tr, te = (torch.from_numpy(x) for x in collapsed_features(n, 64, d))
     want_s, want_i = knn_search(tr, te, 20, backend="torch", device="cpu", budget=budget)
@@ -624,7 +752,8 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
 @pytest.mark.cuda
 def test_the_gpu_search_at_scale_uses_block_maxima_and_stays_within_budget(monkeypatch):
     """60k x 384 on the GPU: the float16 candidate pass reduces its tiles to block maxima
-    (937 blocks > 40 candidates), makes no host sync (nor does the re-rank), and gives the
+    (937 blocks > 40 candidates, one top-k over them per chunk), makes no host sync (nor
+    does the re-rank), and gives the
     CPU's neighbours; collapsed features (every query widened to the whole train set)
     within a 32 MiB budget: the CPU's neighbours, and a peak (the allocator's own count)
     within the unit vectors (float16, made in chunks), the inverse norms and a few

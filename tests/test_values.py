@@ -80,17 +80,16 @@ def test_inf_and_nan_are_refused_before_any_work(argv, says, tmp_path, capsys, m
 @needs_fmnist
 @pytest.mark.slow
 def test_a_nan_loss_names_the_checkpoint_only_when_there_is_one(tmp_path, monkeypatch):
-    from lightly.loss import DINOLoss
-
     from resmlp.ssl import train as dino_train
-    real, calls = DINOLoss.forward, {"n": 0, "nan_from": 1}  # the first step: no checkpoint yet
+    from resmlp.ssl.loss import DinoLoss
+    real, calls = DinoLoss.forward, {"n": 0, "nan_from": 1}  # the first step: no checkpoint yet
 
     def poisoned(self, *a, **k):
         calls["n"] += 1
         loss = real(self, *a, **k)
         return loss * float("nan") if calls["n"] >= calls["nan_from"] else loss
 
-    monkeypatch.setattr(DINOLoss, "forward", poisoned)
+    monkeypatch.setattr(DinoLoss, "forward", poisoned)
     with pytest.raises(RunFailed) as first:
         dino_train.train(load_config("dino", "resmlp_s12", [*TINY, f"out={tmp_path / 'a'}"]))
     assert "no checkpoint was written" in str(first.value) and "intact" not in str(first.value)
