@@ -64,6 +64,11 @@ def _compiled(module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
+# The DINO keys that shape the compiled head and loss (compile by region compiles both)
+HEAD_KEYS = ("out_dim", "hidden_dim", "bottleneck_dim", "bottleneck_norm", "norm_last_layer", "head_precision",
+             "centering", "koleo_weight")
+
+
 def cache_key(cfg, device: torch.device, precision: str, batch_per_process: int, world_size: int,
               compiled: str, graphs: bool, crops: str | None = None) -> dict:
     """What a cache is for: the machine and software that compiled it, and every setting the
@@ -75,6 +80,7 @@ def cache_key(cfg, device: torch.device, precision: str, batch_per_process: int,
             "python": platform.python_version(), "command": str(cfg.command),
             "model": OmegaConf.to_container(cfg.model, resolve=True), "crops": crops,
             "augment": OmegaConf.select(cfg, "dino.augment", default=None),
+            "head": {k: OmegaConf.select(cfg, f"dino.{k}", default=None) for k in HEAD_KEYS},
             "batch_per_process": int(batch_per_process), "processes": int(world_size), "precision": precision,
             "compile": compiled, "graphs": bool(graphs)}
 

@@ -13,7 +13,7 @@ What a replayable step needs, and how it is met here:
   its lr as a tensor, one per learning-rate scale; AdamW's decoupled weight decay,
   p -= lr * wd * p, is applied just before the optimizer (whose own decay is then 0), the
   same arithmetic as the fused kernel's; the EMA is teacher += (1 - m) (student - teacher)
-  (ema.update_teacher_by); lightly's DINOLoss takes the temperature as a tensor.
+  (ema.update_teacher_by); the loss takes the temperature as a tensor (ssl/loss.py).
 - What DinoStep freezes by dropping gradients (the head's last layer in the first
   epoch(s); with dino.init the whole backbone during the head warm-up, ssl/init.py) would
   change what the graph does. Instead each frozen part's gradients are multiplied by a
@@ -267,7 +267,6 @@ class GraphedStep:
         schedule's tensors: what the graph holds."""
         step, sched = self.step, self.sched
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="To copy construct from a tensor")  # lightly's temperature
             # The warm-up runs on a side stream and the capture on the graph's own, as capture
             # requires, so the gradient accumulators meet a stream other than the one they were
             # made on; the graphed steps are tested equal to eager ones (tests/test_graphs.py)
