@@ -82,6 +82,7 @@ FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 def usage() -> str:
+    from resmlp.core.config import recipes
     lines = ["usage: bash run.sh <command> [model | checkpoint] [key=value ...]", "", "commands:"]
     for name, c in COMMANDS.items():
         arg = f" <{c.positional}>" if c.positional else ""
@@ -90,9 +91,13 @@ def usage() -> str:
               f"  {'campaign':<24} this project's GPU measurement, one resumable call after another (tools/campaign)",
               f"  {'campaign-carry':<24} make .whl/ and .fmnist/: what a bare GPU machine needs for campaign",
               f"  {'help':<24} this text", "",
-              "models: " + ", ".join(model_names()),
+              "models: " + ", ".join(model_names()), "",
+              "recipes (configs/recipe/; <command>_<data> applies by itself, recipe=<name> | none in its "
+              "place, demo=true adds demo):",
+              *(f"  {name:<24} {what}" for name, what in recipes().items()), "",
               "examples:",
               "  bash run.sh dino resmlp_s12                       # Fashion-MNIST, the default data",
+              "  bash run.sh dino resmlp_s12 recipe=demo           # the CPU demo, on a machine with a GPU too",
               "  bash run.sh dino resmlp_s24 data=imagenet data.root=/data/imagenet",
               "  bash run.sh knn runs/dino_resmlp_s12_fashion_mnist k=10,20 T=0.07",
               "  NPROC_PER_NODE=8 bash run.sh dino resmlp_s12 data=imagenet data.root=...",
