@@ -679,8 +679,8 @@ def _knn_one(ctx, backend: str, data) -> dict:
     else:
         raise ValueError(f"unknown k-NN backend {backend!r}; choose from torch, torch-device, torch-fp16, "
                          f"torch-bf16, torch-fp32, torch-pass, torch-raw, torch-raw-bf16, faiss-gpu, faiss-cpu")
-    import resmlp.eval.knn as knn
     from resmlp.eval import knn_search as ours
+    from resmlp.eval.knn import knn_classify
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     base = _knn_baseline(k.baseline) if name == "torch" else None
     searches = {"ours": ours.knn_search, **({"baseline": base.knn_search} if base else {})}
@@ -688,24 +688,16 @@ def _knn_one(ctx, backend: str, data) -> dict:
 
     def classify(which):
         def run():
-            knn.knn_search = searches[which]   # knn_classify's search, ours or the baseline's
-            try:
-                scores[which] = knn.knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07,
-                                                 backend=name, device=where)
-            finally:
-                knn.knn_search = ours.knn_search
+            scores[which] = knn_classify(train, train_y, test[:n], classes, k=int(k.k), temperature=0.07,
+                                         backend=name, device=where, search=searches[which])
         return run
     # Warmed up on a small bank (the libraries, the allocator, the device), then timed on
     # the whole one: ours and the baseline's in alternating repeats (A B A B), the median.
     times = {which: [] for which in searches}
     with _pass_dtype([ours, *([base] if base else [])], where, dtype):
         for which in searches:
-            knn.knn_search = searches[which]
-            try:
-                knn.knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name,
-                                 device=where)
-            finally:
-                knn.knn_search = ours.knn_search
+            knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where,
+                         search=searches[which])
         for _ in range(max(int(k.repeats), 2 if base else 1)):
             for which in searches:
                 sync(dev)

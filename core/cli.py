@@ -87,15 +87,20 @@ FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 def usage() -> str:
+    from resmlp.core.config import recipes
     lines = ["usage: bash run.sh <command> [model | checkpoint] [key=value ...]", "", "commands:"]
     for name, c in COMMANDS.items():
         arg = f" <{c.positional}>" if c.positional else ""
         lines.append(f"  {name + arg:<24} {c.help}")
     lines += [f"  {'test':<24} run the test suite (pytest)",
               f"  {'help':<24} this text", "",
-              "models: " + ", ".join(model_names()),
+              "models: " + ", ".join(model_names()), "",
+              "recipes (configs/recipe/; <command>_<data> applies by itself, recipe=<name> | none in its "
+              "place, demo=true adds demo):",
+              *(f"  {name:<24} {what}" for name, what in recipes().items()), "",
               "examples:",
               "  bash run.sh dino resmlp_s12                       # Fashion-MNIST, the default data",
+              "  bash run.sh dino resmlp_s12 recipe=demo           # the CPU demo, on a machine with a GPU too",
               "  bash run.sh dino resmlp_s24 data=imagenet data.root=/data/imagenet",
               "  bash run.sh knn runs/dino_resmlp_s12_fashion_mnist k=10,20 T=0.07",
               "  NPROC_PER_NODE=8 bash run.sh dino resmlp_s12 data=imagenet data.root=...",

@@ -5,10 +5,19 @@ Merge order, later wins:
     configs/method/<command>.yaml      (dino, knn, supervised, ...); a method file that says
                                        `extends: <other method>` is merged over that one
     configs/data/<data>.yaml           (image size, patch size, normalization per dataset)
-    configs/recipe/<command>_<data>.yaml   (e.g. the paper's ImageNet schedules)
+    the recipe: configs/recipe/<command>_<data>.yaml where it exists (e.g. the paper's
+                ImageNet schedules), or the recipes `recipe=` names (none: no recipe)
+    what a saved run carries over (an evaluator's checkpoint: its model and data)
+    the recipe `demo` when the demo applies (demo=true, or demo=auto without a GPU)
     command-line overrides
 The merged config is in struct mode: a misspelled key is an error that names it.
 `data=<name>` on the command line picks the dataset file (it is short for data.name).
+
+A recipe <name> is the file configs/recipe/<name>.yaml and, where it has a folder
+configs/recipe/<name>/, that folder's method/<command>.yaml (or the file of the nearest
+method the command extends) and data/<data>.yaml (only where the network starts here: a
+command that reads a saved run keeps its model and data). Its keys are checked as the
+command line's are; config.yaml keeps the list of the recipes applied (`recipe`).
 
 Two sections of defaults.yaml and of each method file are not config keys but what the
 file says about its keys; they are taken out before anything else reads the config:
@@ -37,6 +46,9 @@ from resmlp.core.errors import UserError
 from resmlp.core.weights import names_timm
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# For what is read of a file before OmegaConf merges it (`extends:`, `limits:`): libyaml's
+# loader, ten times the pure-Python one's speed.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # What of a run's data section describes its network's input: carried over to an evaluation
 # of the run on another data set (data=<name> on the command line).
 TRAINED_ON = ("img_size", "mean", "std")
@@ -53,21 +65,37 @@ def _load_yaml(path: Path) -> DictConfig:
         raise UserError(f"{path}: {e}".splitlines()[0]) from None
 
 
-def method_config(command: str, _seen: tuple = (), path: Path | None = None) -> DictConfig:
-    """configs/method/<command>.yaml (or the file `path`: a tool's own, outside the package)
-    over the method it `extends` (if any), recursively."""
-    path = path or CONFIG_DIR / "method" / f"{command}.yaml"
-    if not path.exists():
-        return OmegaConf.create({})
-    cfg = _load_yaml(path)
-    base = cfg.pop("extends", None)
-    if base is None:
-        return cfg
-    if base in _seen or base == command:
-        raise UserError(f"{path}: `extends: {base}` makes a cycle ({' -> '.join((*_seen, command, base))})")
-    if not (CONFIG_DIR / "method" / f"{base}.yaml").exists():
-        raise UserError(f"{path}: `extends: {base}` names no file configs/method/{base}.yaml")
-    return OmegaConf.merge(method_config(base, (*_seen, command)), cfg)
+def _method_chain(command: str) -> list[str]:
+    """The command's method and each method it `extends`, nearest first (finetune, supervised);
+    none where the command has no file in configs/method/."""
+    chain: list = []
+    name = command
+    while name is not None:
+        path = CONFIG_DIR / "method" / f"{name}.yaml"
+        if not path.exists():
+            if not chain:
+                return chain
+            raise UserError(f"{CONFIG_DIR / 'method' / chain[-1]}.yaml: `extends: {name}` names no file "
+                            f"configs/method/{name}.yaml")
+        chain.append(name)
+        with open(path) as f:
+            name = (yaml.load(f, Loader=_YAML_LOADER) or {}).get("extends")
+        if name in chain:
+            raise UserError(f"{path}: `extends: {name}` makes a cycle ({' -> '.join([*chain, name])})")
+    return chain
+
+
+def method_config(command: str, path: Path | None = None) -> DictConfig:
+    """configs/method/<command>.yaml over the method it `extends` (if any), recursively; or the
+    file `path`, a tool's own outside the package (tools/campaign), over the methods it extends."""
+    if path is not None:
+        own = _load_yaml(path)
+        base = own.pop("extends", None)
+        return OmegaConf.merge(method_config(base) if base else OmegaConf.create({}), own)
+    files = [_load_yaml(CONFIG_DIR / "method" / f"{name}.yaml") for name in reversed(_method_chain(command))]
+    for cfg in files:
+        cfg.pop("extends", None)
+    return OmegaConf.merge(OmegaConf.create({}), *files)
 
 
 def split_overrides(args: Iterable[str]) -> list[str]:
@@ -113,46 +141,162 @@ def load_config(command: str, model: str | None = None, overrides: Iterable[str]
     """Build the config of one command.
 
     `base` (a saved run config, e.g. from a checkpoint) is merged right after the
-    yaml files, so evaluators default to the model and data a checkpoint was trained
+    recipe, so evaluators default to the model and data a checkpoint was trained
     with while the command line still wins. `method`: the command's method file when it
     is not configs/method/<command>.yaml (a tool of the repository, e.g. tools/campaign).
     """
     model, data, rest = _names(split_overrides(overrides), model, base)
-    cfg, (limits, moved, paths) = _layers(command, model, data, base, method)
-    OmegaConf.set_struct(cfg, True)
-    cfg.demo, rest = _demo_wanted(cfg, rest, limits["demo"])
-    # the data file's demo sizes only where the network starts here: a checkpoint's run keeps its own
-    demo = [*cfg.demo_overrides, *(cfg.demo_data_overrides if base is None else [])] if cfg.demo else []
-    from_demo = len(demo)
-    rest = [*demo, *rest]  # the command line still wins
-    origin: dict = {}  # key -> where the value it holds now came from (for the messages)
-    for i, o in enumerate(rest):
-        key = _key_of(o)
-        if key in moved:
-            raise UserError(f"{key} is now {moved[key]}: pass {moved[key]}={o.split('=', 1)[1]}")
+    cfg, rules, data = _layers(command, data, method)
+    settings = _Settings(cfg, *rules)
+    names, rest = _recipes_wanted(cfg, rest, command, data)
+    for name in names:
+        settings.recipe(name, command, data, base is None)
+    if base is not None:
+        _carry_over(cfg, OmegaConf.create(base), data)
+        settings.carried()
+    cfg.command = command
+    if model:
+        cfg.model.name = model
+    cfg.data.name = data
+    cfg.demo, rest = _demo_wanted(cfg, rest, settings.limits["demo"])
+    if cfg.demo:  # after what a saved run carries over, as the command line
+        settings.recipe(DEMO, command, data, base is None)
+    cfg.recipe = [*names, *([DEMO] if cfg.demo and DEMO not in names else [])]
+    for o in rest:  # the command line, last: it wins
+        settings.set(_key_of(o), o, lambda: cfg.merge_with_dotlist([o]), f"{o} came earlier on the command line")
+    _finish(cfg, settings.limits, settings.paths)
+    return cfg
+
+
+class _Settings:
+    """Sets keys of the merged config one at a time, from a recipe's files or the command
+    line, each checked as it comes (a moved or unknown key, a value of the wrong kind or
+    outside its words), and keeps where each value came from for the messages."""
+
+    def __init__(self, cfg: DictConfig, limits: dict, moved: dict, paths: list):
+        self.cfg, self.limits, self.moved, self.paths = cfg, limits, moved, paths
+        self.origin: dict = {}   # key -> where the value it holds now came from
+        self.saved = False       # model and data keys came from a saved run
+
+    def recipe(self, name: str, command: str, data: str, network_here: bool) -> None:
+        """Merge the files of recipe `name` (recipe_files), key by key."""
+        for path in recipe_files(name, command, data, network_here):
+            where = _shown_path(path)
+            tree = OmegaConf.to_container(_load_yaml(path), resolve=False) or {}
+            for key, value in _leaves(tree):
+                shown = f"{key}={_show(value)}"
+                self.set(key, shown, lambda: OmegaConf.update(self.cfg, key, value, merge=False),
+                         f"the recipe {name} sets {shown} in {where}", f"recipe {name} ({where}) for {command}: ")
+
+    def carried(self) -> None:
+        """The model and data keys are the saved run's now."""
+        self.saved = True
+        self.origin = {k: v for k, v in self.origin.items() if k.split(".")[0] not in ("model", "data")}
+
+    def set(self, key: str, shown: str, merge, came: str, where: str = "") -> None:
+        """`merge()` sets `key` as `shown` (key=value) says; `came`: the origin a later setting
+        of the key is told; `where`: the file it is in, for the messages."""
+        cfg = self.cfg
+        if key in self.moved:
+            raise UserError(f"{where}{key} is now {self.moved[key]}: pass {self.moved[key]}={shown.split('=', 1)[1]}")
         before = OmegaConf.select(cfg, key, default=None)
         try:
-            cfg.merge_with_dotlist([o])
+            merge()
         except yaml.YAMLError as e:  # the value is read as YAML: a list typo such as [10, or [10,,20]
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise UserError(f"bad value in {o!r}: not a value ({problem}); a list is written "
+            raise UserError(f"bad value in {shown!r}: not a value ({problem}); a list is written "
                             f"{key}=[10,20]") from None
         except OmegaConfBaseException as e:
             if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
-                raise UserError(f"unknown config key {key!r}{_valid_keys_hint(cfg, key)}") from None
-            raise UserError(f"bad value in {o!r}: {str(e).splitlines()[0]}") from None
+                raise UserError(f"{where}unknown config key {key!r}{_valid_keys_hint(cfg, key)}") from None
+            raise UserError(f"{where}bad value in {shown!r}: {str(e).splitlines()[0]}") from None
         try:
             after = OmegaConf.select(cfg, key)  # resolves an interpolation the value holds
         except OmegaConfBaseException as e:  # e.g. ${nosuch}
-            raise UserError(f"bad value in {o!r}: {str(e).splitlines()[0]}") from None
-        saved = base is not None and key.split(".")[0] in ("model", "data")  # carried over from the run
-        _check_type(key, before, after,
-                    origin.get(key, f"the checkpoint's config has {before}" if saved else f"the default is {before}"),
-                    limits.get(key))
-        origin[key] = f"the CPU demo's demo_overrides set {o}" if i < from_demo else \
-            f"{o} came earlier on the command line"
-    _finish(cfg, limits, paths)
-    return cfg
+            raise UserError(f"{where}bad value in {shown!r}: {str(e).splitlines()[0]}") from None
+        saved = self.saved and key.split(".")[0] in ("model", "data")  # carried over from the run
+        try:
+            _check_type(key, before, after, self.origin.get(
+                key, f"the checkpoint's config has {before}" if saved else f"the default is {before}"),
+                self.limits.get(key))
+        except UserError as e:
+            raise UserError(f"{where}{e}") from None
+        self.origin[key] = came
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    """(dotted key, value) of every value a YAML file sets; a list is one value."""
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        elif not isinstance(v, dict):
+            yield f"{prefix}{k}", v
+
+
+def _shown_path(path: Path) -> str:
+    """A file of configs/ as the messages name it: configs/recipe/demo.yaml."""
+    try:
+        return str(Path("configs") / path.relative_to(CONFIG_DIR))
+    except ValueError:
+        return str(path)
+
+
+# ---- recipes: named sets of values in configs/recipe/ ----------------------------------------
+
+DEMO = "demo"   # the recipe demo=true (or demo=auto on a machine without a GPU) layers
+
+
+def recipes() -> dict[str, str]:
+    """{name: what it is (its file's first comment line)} of every recipe (configs/recipe/<name>.yaml)."""
+    found = {}
+    for name in available("recipe"):
+        with open(CONFIG_DIR / "recipe" / f"{name}.yaml") as f:
+            first = next((line for line in f if line.startswith("#")), "")
+        found[name] = first.lstrip("#").strip()
+    return found
+
+
+def recipe_files(name: str, command: str, data: str, network_here: bool = True) -> list[Path]:
+    """The files recipe `name` merges, in their order: configs/recipe/<name>.yaml, then of its
+    folder configs/recipe/<name>/ (where it has one) method/<command>.yaml, or that of the
+    nearest method the command extends, and, where the network starts here (no saved run
+    carries its model and data over), data/<data>.yaml."""
+    root = CONFIG_DIR / "recipe"
+    files = [root / f"{name}.yaml"]
+    methods = [root / name / "method" / f"{m}.yaml" for m in _method_chain(command)]
+    files += [p for p in methods if p.exists()][:1]
+    if network_here and (root / name / "data" / f"{data}.yaml").exists():
+        files.append(root / name / "data" / f"{data}.yaml")
+    return files
+
+
+def recipe_setting(cfg: DictConfig, key: str) -> str | None:
+    """The recipe of cfg.recipe that gave `key` the value it holds (the last whose files set
+    it), or None: what a message may name as asking for a value the user did not give."""
+    value = OmegaConf.select(cfg, key, default=None)
+    for name in reversed(list(cfg.get("recipe") or [])):
+        for path in reversed(recipe_files(name, cfg.command, cfg.data.name)):
+            given = dict(_leaves(OmegaConf.to_container(_load_yaml(path), resolve=False) or {}))
+            if key in given:
+                return name if given[key] == value else None
+    return None
+
+
+def _recipes_wanted(cfg: DictConfig, overrides: list[str], command: str, data: str) -> tuple[list[str], list[str]]:
+    """(the recipes to merge, the overrides but recipe=): auto (the default) is the file
+    <command>_<data> where it exists, none is no recipe; else a recipe's name or a list of them."""
+    value = _given(overrides, "recipe", cfg.get("recipe", "auto"))
+    rest = [o for o in overrides if _key_of(o) != "recipe"]
+    known = available("recipe")
+    if value == "auto":
+        return [n for n in (f"{command}_{data}",) if n in known], rest
+    if value == "none":
+        return [], rest
+    names = list(value) if isinstance(value, (list, ListConfig)) else [value]
+    if not names or not all(isinstance(n, str) and n in known for n in names):
+        raise UserError(f"recipe={_show(value)}: no such recipe; choose auto, none, or one (or a list) of: "
+                        f"{', '.join(known)} (the files in configs/recipe/)")
+    return names, rest
 
 
 def _names(overrides: list[str], model: str | None, base: dict | None) -> tuple[str | None, str | None, list[str]]:
@@ -174,28 +318,19 @@ def _names(overrides: list[str], model: str | None, base: dict | None) -> tuple[
     return model, data, rest
 
 
-def _layers(command: str, model: str | None, data: str | None, base: dict | None,
-            method: Path | None = None) -> tuple[DictConfig, tuple]:
-    """The YAML files merged in their order, then what a saved run carries over; with the
-    rules (`_take_rules`) taken out of them."""
-    # New keys may come from method files (their own sections); struct mode starts once
-    # every file is in.
-    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command, path=method))
+def _layers(command: str, data: str | None, method: Path | None = None) -> tuple[DictConfig, tuple, str]:
+    """(defaults.yaml, the method's files and the data file merged in their order, with the
+    rules (`_take_rules`) taken out of them; the rules; the data set's name). New keys may
+    come from method files (their own sections); struct mode starts once every file is in."""
+    cfg = OmegaConf.merge(_load_yaml(CONFIG_DIR / "defaults.yaml"), method_config(command, method))
     rules = _take_rules(cfg, command, method)
     data = data or cfg.data.name
     data_file = CONFIG_DIR / "data" / f"{data}.yaml"
     if not data_file.exists():
         raise UserError(f"unknown dataset {data!r}; choose one of: {', '.join(available('data'))}")
-    for path in (data_file, CONFIG_DIR / "recipe" / f"{command}_{data}.yaml"):
-        if path.exists():
-            cfg = OmegaConf.merge(cfg, _load_yaml(path))
-    if base is not None:
-        _carry_over(cfg, OmegaConf.create(base), data)
-    cfg.command = command
-    if model:
-        cfg.model.name = model
-    cfg.data.name = data
-    return cfg, rules
+    cfg = OmegaConf.merge(cfg, _load_yaml(data_file))
+    OmegaConf.set_struct(cfg, True)
+    return cfg, rules, data
 
 
 def _carry_over(cfg: DictConfig, saved: DictConfig, data: str) -> None:
@@ -207,9 +342,7 @@ def _carry_over(cfg: DictConfig, saved: DictConfig, data: str) -> None:
             part = saved[section]
             if section == "data" and part.get("name") != data:
                 part = OmegaConf.create({k: part[k] for k in TRAINED_ON if k in part})
-            OmegaConf.set_struct(cfg, True)
             cfg[section] = OmegaConf.merge(cfg[section], _known(part, cfg[section]))
-            OmegaConf.set_struct(cfg, False)
 
 
 def _finish(cfg: DictConfig, limits: dict, paths: list) -> None:
@@ -372,10 +505,9 @@ def all_choices() -> dict:
     method file) is a list of words. Those entries are the one place the words are written:
     code that checks, shows or walks a key's words reads them here."""
     found: dict = {}
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: ten times the pure-Python one's speed
     for path in [CONFIG_DIR / "defaults.yaml", *sorted((CONFIG_DIR / "method").glob("*.yaml"))]:
         with open(path) as f:
-            limits = (yaml.load(f, Loader=loader) or {}).get("limits") or {}
+            limits = (yaml.load(f, Loader=_YAML_LOADER) or {}).get("limits") or {}
         for key, spec in limits.items():
             if not isinstance(spec, list):
                 continue
@@ -445,8 +577,9 @@ def _check_word(key: str, value, limit: Choice, listed: bool) -> None:
 
 
 def _demo_wanted(cfg: DictConfig, overrides: list[str], limit: Choice) -> tuple[bool, list[str]]:
-    """(whether this is the CPU demo, the overrides but demo=): demo decides which overrides
-    apply first, so its value is read and checked against its limit before any is merged.
+    """(whether this is the CPU demo, the overrides but demo=): demo decides whether the
+    recipe demo is merged, so its value is read and checked against its limit before any
+    override is.
     demo=auto means: the short CPU demo when this machine has no GPU and runs the command
     itself (launcher=slurm submits it to GPU nodes, which decide there)."""
     value = _given(overrides, "demo", cfg.demo)

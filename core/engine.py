@@ -61,13 +61,14 @@ INPUT_KEYS = {"finetune": "checkpoint", "distill": "distill.teacher", "dino": "d
 # read.
 INPUTS_NAME = "inputs.json"
 # Keys that do not change what a run computes: a finished run with other values of these is
-# still the run asked for ("nothing to do"; compare reuses it).
+# still the run asked for ("nothing to do"; compare reuses it). demo and recipe name where the
+# values came from, not what they are; demo_overrides and demo_data_overrides are what run
+# dirs saved before the demo became a recipe file hold in their place.
 RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "log_every_s", "ckpt_every",
                 "ckpt_epochs", "eval_every", "eval_batch_size", "device", "compile", "compile_cache_dir",
-                "dino.cuda_graphs", "demo",
-                "demo_overrides", "demo_data_overrides", "launcher", "slurm", "save_rank_weights",
-                "features.batch_size", "features.cache", "features.cache_dir", "data.download", "weights_trust",
-                *RESUME_MAY_CHANGE)
+                "dino.cuda_graphs", "demo", "recipe", "demo_overrides", "demo_data_overrides", "launcher", "slurm",
+                "save_rank_weights", "features.batch_size", "features.cache", "features.cache_dir", "data.download",
+                "weights_trust", *RESUME_MAY_CHANGE)
 
 
 def seed_everything(seed: int) -> None:

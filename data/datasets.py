@@ -30,7 +30,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from resmlp.core.config import choices
+from resmlp.core.config import choices, recipe_setting
 from resmlp.core.errors import UserError
 from resmlp.data import fashion_mnist, folder, imagefolder, torchvision_sets
 from resmlp.data.decode import reads_files
@@ -116,10 +116,10 @@ def fit_demo_subset(cfg, lists: FileLists | None = None) -> str | None:
     have = len(build_dataset(OmegaConf.merge(cfg.data, {"subset": None}), "train", lists=lists))
     if have >= int(n):
         return None
-    cfg.data.subset = None
     # the demo's own size, which a user who set no subset never asked for
-    asked = f"the {n} its demo_overrides ask for" if f"data.subset={n}" in cfg.get("demo_overrides", []) else \
-        f"the data.subset={n} asked for"
+    recipe = recipe_setting(cfg, "data.subset")
+    asked = f"the {n} the recipe {recipe} asks for" if recipe else f"the data.subset={n} asked for"
+    cfg.data.subset = None
     return f"the CPU demo takes all {have} images of the training split, fewer than {asked}"
 
 

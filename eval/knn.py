@@ -85,7 +85,7 @@ def _vote(sims: torch.Tensor, idx: torch.Tensor, train_labels: torch.Tensor, num
 
 def knn_classify(train_features, train_labels, test_features, num_classes: int, k: int = 20,
                  temperature: float = 0.07, backend: str = "auto",
-                 chunk_size: int | None = None, device=None) -> torch.Tensor:
+                 chunk_size: int | None = None, device=None, search=knn_search) -> torch.Tensor:
     """DINO weighted k-NN vote scores, shape (n_test, num_classes).
 
     Inputs may be numpy arrays or torch tensors (any device, any float dtype); features
@@ -93,10 +93,12 @@ def knn_classify(train_features, train_labels, test_features, num_classes: int, 
     log of each class's vote (log sum of exp(sim/T), -inf for a class no neighbour votes
     for), which ranks the classes as the vote does for any T; its argmax is the
     prediction, ties going to the lower class index (torch.argmax). backend: auto | faiss
-    | torch (same neighbours and scores either way, see eval/knn_search.py).
+    | torch (same neighbours and scores either way, see eval/knn_search.py). search: the
+    neighbour search, called as eval/knn_search.py's knn_search (the bench passes another
+    version's to time it against this one).
     """
     temperature = check_temperature(temperature)
-    sims, idx = knn_search(train_features, test_features, k, backend, chunk_size, device, on_host=False)
+    sims, idx = search(train_features, test_features, k, backend, chunk_size, device, on_host=False)
     with phase("vote"):   # where the search ran: only the table crosses to the host
         labels = _labels(train_labels, len(train_features), num_classes, "train labels")
         return _vote(sims, idx, labels, num_classes, temperature)

@@ -113,7 +113,7 @@ def test_every_word_of_demo_is_taken_and_the_config_keeps_the_decision():
     for given, demo in (("true", True), ("True", True), ("false", False), ("auto", no_gpu)):
         cfg = load_config("dino", "resmlp_s12", [f"demo={given}"])
         assert cfg.demo is demo, given
-        assert (cfg.model.dim == 64) is demo   # its demo_overrides applied, or not
+        assert (cfg.model.dim == 64) is demo   # the recipe demo applied, or not
     assert load_config("dino", "resmlp_s12", []).demo is no_gpu   # dino.yaml's default is auto
     # a submission decides on the GPU nodes: auto is no demo here
     assert load_config("dino", "resmlp_s12", ["demo=auto", "launcher=slurm"]).demo is False

@@ -79,7 +79,7 @@ def test_bad_value_and_bad_argument_and_unknown_data():
         load_config("dino", "resmlp_s12", ["data=mnistt"])
 
 
-def test_demo_overrides_yield_to_command_line():
+def test_the_demo_recipe_yields_to_the_command_line():
     cfg = load_config("dino", "resmlp_s12", ["demo=true", "epochs=2"])
     assert cfg.demo is True and cfg.epochs == 2 and cfg.model.dim == 64
     cfg = load_config("dino", "resmlp_s12", ["demo=false"])

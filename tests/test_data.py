@@ -454,8 +454,8 @@ def test_inspect_fashion_mnist(capsys):
 @pytest.mark.parametrize("name", ["fashion_mnist", "imagefolder", "imagenet", "cifar10", "cifar100", "stl10"])
 def test_data_yamls(name):
     y = OmegaConf.load(os.path.join(REPO, "configs", "data", f"{name}.yaml"))
-    # no file reaches into a method's section (its CPU demo's sizes are overrides the demo applies)
-    assert set(y) <= {"data", "model", "demo_data_overrides"} and y.data.name == name
+    # no file reaches into a method's section (its CPU demo's sizes are configs/recipe/demo/data/'s)
+    assert set(y) <= {"data", "model"} and y.data.name == name
     assert set(y.get("model", {})) <= {"patch_size"}
     assert y.data.img_size % y.model.patch_size == 0 and y.data.local_size % y.model.patch_size == 0
     merged = OmegaConf.merge(OmegaConf.load(os.path.join(REPO, "configs", "defaults.yaml")), y)

@@ -197,7 +197,8 @@ def test_running_out_of_memory_is_one_line_that_says_what_to_lower(tmp_path, cap
 def test_null_is_taken_where_the_limit_allows_it_and_messages_say_where_a_value_came_from():
     cfg = load_config("dino", "resmlp_s12", ["demo=true", "data.subset=null"])
     assert cfg.data.subset is None and cfg.epochs == 8                         # the demo's other overrides stay
-    with pytest.raises(UserError, match=r"\(the CPU demo's demo_overrides set data.subset=5000\)"):
+    with pytest.raises(UserError, match=r"\(the recipe demo sets data.subset=5000 in "
+                                        r"configs/recipe/demo/method/dino.yaml\)"):
         load_config("dino", "resmlp_s12", ["demo=true", "data.subset=many"])
     with pytest.raises(UserError, match=r"\(batch_size=32 came earlier on the command line\)"):
         load_config("knn", None, ["batch_size=32", "batch_size=abc"])

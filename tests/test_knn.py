@@ -62,6 +62,24 @@ def test_knn_matches_numpy_reference(k, T):
     assert (got.argmax(1).numpy() == ref.argmax(1)).all()
 
 
+
+def test_knn_classify_votes_with_the_search_it_is_handed():
+    """knn_classify's neighbours come from its `search` argument (the bench hands it another
+    version's knn_search to time): the votes are those of the neighbours that search gives,
+    and the default is the project's own."""
+    xtr, ytr, xte, _ = random_features()
+    calls = []
+
+    def flipped(train, test, k, *args, **kwargs):   # the search on the negated queries: their farthest
+        calls.append(k)
+        return knn_search(train, -np.asarray(test), k, *args, **kwargs)
+    got = knn_classify(xtr, ytr, xte, 6, k=5, temperature=0.07, backend="torch", search=flipped)
+    assert calls == [5]
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(got.numpy(), np.log(numpy_knn_scores(xtr, ytr, -xte, 6, 5, 0.07)), rtol=1e-6)
+    assert torch.equal(knn_classify(xtr, ytr, xte, 6, k=5, backend="torch"),
+                       knn_classify(xtr, ytr, xte, 6, k=5, backend="torch", search=knn_search))
+
 def tie_features():
     xtr, ytr, xte, _ = random_features(n_train=300, n_test=40, seed=1)
     xtr[50:80] = xtr[7]               # 31 identical training features, mixed labels

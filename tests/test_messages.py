@@ -92,7 +92,7 @@ def test_the_demo_note_blames_no_subset_the_user_did_not_set(folders):
     cfg = load_config("dino", "resmlp_s12", given)
     note = fit_demo_subset(cfg)
     assert note.startswith("the CPU demo takes all 8 images of the training split, fewer than the ")
-    assert "its demo_overrides ask for" in note and "data.subset" not in note
+    assert "the recipe demo asks for" in note and "data.subset" not in note
     assert cfg.data.subset is None
     note = fit_demo_subset(load_config("dino", "resmlp_s12", [*given, "data.subset=300"]))
     assert note.endswith("fewer than the data.subset=300 asked for")
