@@ -20,6 +20,7 @@ bench/NOTES.md has the method and the predictions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import statistics
@@ -618,8 +619,9 @@ _PASS_DTYPES = {"torch-fp16": torch.float16, "torch-bf16": torch.bfloat16, "torc
 
 @contextlib.contextmanager
 def _pass_dtype(modules, device: torch.device, dtype):
-    """knn_search's candidate pass in `dtype` on `device` for the block (None: its default),
-    in each module given (ours, and a baseline's)."""
+    """The candidate pass in `dtype` on `device` for the block (None: its default) in each
+    baseline module given: a copy of an earlier eval/knn_search.py loaded from its file, which
+    may predate knn_search's `pass_dtype` argument (ours is handed that argument)."""
     old = [m._TorchSearch.DTYPES.get(device.type) for m in modules]
     for m in modules:
         if dtype is not None:
@@ -683,7 +685,8 @@ def _knn_one(ctx, backend: str, data) -> dict:
     from resmlp.eval.knn import knn_classify
     n = test.shape[0] if where.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     base = _knn_baseline(k.baseline) if name == "torch" else None
-    searches = {"ours": ours.knn_search, **({"baseline": base.knn_search} if base else {})}
+    searches = {"ours": functools.partial(ours.knn_search, pass_dtype=dtype),
+                **({"baseline": base.knn_search} if base else {})}
     scores = {}
 
     def classify(which):
@@ -694,7 +697,7 @@ def _knn_one(ctx, backend: str, data) -> dict:
     # Warmed up on a small bank (the libraries, the allocator, the device), then timed on
     # the whole one: ours and the baseline's in alternating repeats (A B A B), the median.
     times = {which: [] for which in searches}
-    with _pass_dtype([ours, *([base] if base else [])], where, dtype):
+    with _pass_dtype([base] if base else [], where, dtype):
         for which in searches:
             knn_classify(train[:4096], train_y[:4096], test[:8], classes, k=int(k.k), backend=name, device=where,
                          search=searches[which])

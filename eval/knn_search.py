@@ -392,8 +392,9 @@ class _TorchSearch(_Search):
     DTYPES = {"cuda": torch.float16, "cpu": torch.float32}   # the candidate pass, per device type
     BLOCK = 64    # bank columns per block maximum
 
-    def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET):
-        super().__init__(train, device, budget, self.DTYPES.get(device.type, torch.float32))
+    def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET,
+                 dtype: torch.dtype | None = None):
+        super().__init__(train, device, budget, dtype or self.DTYPES.get(device.type, torch.float32))
 
     def prunes(self, kc: int) -> bool:
         """Whether the pass at kc candidates goes through block maxima: more whole blocks
@@ -610,7 +611,8 @@ def first_candidates(k: int, tol: float, n: int) -> int:
 
 def knn_search(train_features, test_features, k: int, backend: str = "auto",
                chunk_size: int | None = None, device=None,
-               budget: int | None = None, on_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: int | None = None, on_host: bool = True,
+               pass_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k nearest training features (cosine) of every test feature.
 
     Returns (similarities float64, indices int64), CPU tensors of shape (n_test, k)
@@ -619,6 +621,8 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     chunk_size: queries per chunk (default: what fits the memory budget); the result
     does not depend on it. device: where the search runs (default: the GPU if any).
     budget: bytes one block may hold (default BUDGET; see the module docstring).
+    pass_dtype: the torch backend's candidate pass in this dtype (default: _TorchSearch.DTYPES's
+    for the device); the result does not depend on it, only the time it takes.
     """
     name, dev = resolve_backend(backend, device)
     budget = int(budget or BUDGET)
@@ -632,7 +636,7 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     n, d = train.shape
     k = check_ks([k], n)[0]
     with phase("bank: norms, unit rows"):
-        search = (_FaissSearch if name == "faiss" else _TorchSearch)(train, dev, budget)
+        search = _FaissSearch(train, dev, budget) if name == "faiss" else _TorchSearch(train, dev, budget, pass_dtype)
     first = first_candidates(k, search.tolerance(d), n)
     if chunk_size is None:  # one candidate matmul per chunk: a remainder would read the train features again
         chunk_size = min(pass_rows(first, budget), search.rows_for(first))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "models", "data", "ssl", "eval", "supervised", "bench")
-SCANNED = (*PACKAGES, "studies")
+SCANNED = (*PACKAGES, "studies", "tools")
 
 
 def _is_ours(module: str) -> bool:
