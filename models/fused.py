@@ -35,6 +35,13 @@ GEMM epilogues, where torch has an exact one and a pass is saved:
 Drop path draws its masks as timm's DropPath does (one bernoulli_ per branch on a (B, 1, 1)
 tensor of the branch's dtype, in the same order), so a fused and a plain block give the
 same result from the same generator state.
+
+Token-major layout (`block.token_major`, the model's `token_major`): tokens arrive as
+(N, B, D), so the cross-patch linear is one GEMM over every image, A @ X.view(N, B*D),
+and its backward two (A^T dP, dP X^T), where the (B, N, D) layout makes matmul copy X
+to (B*D, N) and back. c broadcasts over B, the drop-path masks over N and D (the same
+draws, viewed (1, B, 1)); the channel MLP acts per token and takes either layout. The
+cross-patch MLP and conv ablations work on (B, N, D) and see a transposed view.
 """
 from __future__ import annotations
 
@@ -51,9 +58,17 @@ def _drop_prob(block: nn.Module) -> float:
     return dp.drop_prob if isinstance(dp, DropPath) and dp.training else 0.0
 
 
+def _token_major(block: nn.Module) -> bool:
+    return getattr(block, 'token_major', False)
+
+
+def _batch_size(block: nn.Module, x: torch.Tensor) -> int:
+    return x.shape[1] if _token_major(block) else x.shape[0]
+
+
 def _drop_mask(block: nn.Module, batch: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
     """timm's drop_path mask for a branch of `dtype` (None when it draws none): the same
-    generator call, so the same samples are dropped."""
+    generator call, so the same samples are dropped; shaped to broadcast over the block's layout."""
     p = _drop_prob(block)
     if p == 0.0:
         return None
@@ -61,7 +76,7 @@ def _drop_mask(block: nn.Module, batch: int, dtype: torch.dtype, device: torch.d
     mask = torch.empty((batch, 1, 1), dtype=dtype, device=device).bernoulli_(keep)
     if keep > 0.0 and block.drop_path.scale_by_keep:
         mask.div_(keep)
-    return mask
+    return mask.view(1, batch, 1) if _token_major(block) else mask
 
 
 def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,19 +104,24 @@ def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
 def _cross_patch_half(block: nn.Module, x: torch.Tensor, grid, carried: Optional[torch.Tensor]) -> torch.Tensor:
     """Z = X + drop(ls1 * cross_patch(norm1(X))), plus `carried` (D) when given (linear only)."""
     cp, ls1 = block.cross_patch, block.ls1
+    batch, token_major = _batch_size(block, x), _token_major(block)
     if not hasattr(cp, 'weights_for'):  # MLP / conv variants: norm1 stays
-        y = cp(block.norm1(x), grid)
-        mask = _drop_mask(block, x.shape[0], torch.promote_types(y.dtype, ls1.dtype), x.device)
+        u = block.norm1(x)
+        y = cp(u.transpose(0, 1), grid).transpose(0, 1) if token_major else cp(u, grid)
+        mask = _drop_mask(block, batch, torch.promote_types(y.dtype, ls1.dtype), x.device)
         return torch.addcmul(x, y, ls1 if mask is None else ls1 * mask)
     a, a_bias = cp.weights_for(grid)
     alpha, beta = _affine_of(block.norm1)
-    p = torch.matmul(a, _normalize(block.norm1, x))
+    u = _normalize(block.norm1, x)
     # elementwise products, not torch.outer: autocast would round these to bf16
     c = a.sum(dim=1, keepdim=True) * (ls1 * beta) + a_bias.unsqueeze(1) * ls1
     if carried is not None:
         c = c + carried
+    p = torch.mm(a, u.reshape(u.shape[0], -1)).view(u.shape) if token_major else torch.matmul(a, u)
+    if token_major:
+        c = c.unsqueeze(1)  # (N, 1, D): the same for every image
     t = torch.addcmul(c, p, ls1 * alpha)
-    mask = _drop_mask(block, x.shape[0], torch.promote_types(p.dtype, ls1.dtype), x.device)
+    mask = _drop_mask(block, batch, torch.promote_types(p.dtype, ls1.dtype), x.device)
     return x + t if mask is None else torch.addcmul(x, t, mask)
 
 
@@ -121,7 +141,7 @@ def fused_block_forward(block: nn.Module, x: torch.Tensor, grid) -> torch.Tensor
     if carry:
         return torch.addmm(z.reshape(-1, z.shape[-1]), h.reshape(-1, h.shape[-1]), w2.t()).view_as(z)
     g = F.linear(h, w2, b2)
-    mask = _drop_mask(block, x.shape[0], torch.promote_types(g.dtype, ls2.dtype), x.device)
+    mask = _drop_mask(block, _batch_size(block, x), torch.promote_types(g.dtype, ls2.dtype), x.device)
     return z + g if mask is None else torch.addcmul(z, g, mask)
 
 
@@ -134,4 +154,5 @@ def describe(block: nn.Module) -> str:
         parts.append(f'{aff1} + ls1 through the cross-patch linear')
     elif block.cross_patch is not None:
         parts.append('norm1 kept, ls1 + residual in one addcmul')
-    return 'fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
+    return ('fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
+            + ('; tokens (N, B, D)' if _token_major(block) else ''))
