@@ -86,10 +86,16 @@ def fused_values(p) -> list[bool]:
 
 
 # The fused block's levers (issue 43), each a line "ours fused <lever> <kind>" of its own:
-# the model overrides it sets, or none for a compile option.
+# the model overrides it sets, or none for a compile option (INDUCTOR_MODES).
 LEVERS = {
     "token-major": ["model.token_major=true"],
+    "triton": ["model.kernels=triton"],
+    "max-autotune": [],
 }
+# Levers that compile the blocks in another Inductor mode (compiled lines only): max-autotune's
+# GEMM templates may fuse GELU into fc1's epilogue where cuBLAS cannot; its first call holds
+# the autotuning. Not Inductor's own CUDA graphs, which cannot nest in the step's capture.
+INDUCTOR_MODES = {"max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def lever_lines(p) -> list[str]:
@@ -103,6 +109,15 @@ def lever_lines(p) -> list[str]:
 def lever_overrides(line: str | None) -> list[str]:
     """The model overrides of a lever line ("a+b": both levers'); none for None."""
     return [o for lever in (line.split("+") if line else []) for o in LEVERS[lever]]
+
+
+def inductor_mode(line: str | None):
+    """A context that compiles in the lever line's Inductor mode (nothing for other lines)."""
+    mode = INDUCTOR_MODES.get(line or "")
+    if mode is None:
+        return contextlib.nullcontext()
+    import torch._inductor
+    return torch._inductor.config.patch(torch._inductor.list_mode_options(mode))
 
 
 def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
@@ -217,6 +232,8 @@ def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
     for fused, lever in [(f, None) for f in fused_list] + [(True, line) for line in levers]:
         prefix = f"{lever} " if lever else ""
         for comp in p.compile:
+            if lever in INDUCTOR_MODES and not comp:
+                continue
             ident = {"model": model, "strategy": strategy, "impl": ours(prefix + ("compile" if comp else "eager"), fused),
                      "batch": batch}
             if together and not comp:
@@ -228,6 +245,8 @@ def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
         for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
             if str(kind) not in ("eager", "compile"):
                 raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
+            if lever in INDUCTOR_MODES and str(kind) != "compile":
+                continue
             ident = {"model": model, "strategy": strategy, "impl": ours(f"{prefix}{kind}+graphs", fused), "batch": batch}
             ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile",
                                                           flops, graphs=True, fused=fused,
@@ -298,6 +317,7 @@ def _dino_together(ctx, model, strategy, batch, fused_list, flops, timed, levers
     cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
     steps = {ours("eager", f): build_our_step(OmegaConf.merge(cfg, {"model": {"fused": f}}), dev, p.precision, False)
              for f in fused_list}
+    levers = [line for line in levers if line not in INDUCTOR_MODES]
     for line in levers:
         lever_cfg = _step_inputs(ctx, model, strategy, batch, fused=True, lever=line)[0]
         steps[ours(f"{line} eager", True)] = build_our_step(lever_cfg, dev, p.precision, False)
@@ -336,9 +356,10 @@ def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False, f
     step = build_our_step(cfg, dev, p.precision, comp, graphs=graphs)
     extra = {}
     try:
-        if graphs:  # the warm-up calls and the capture, before the timing's own warm-up
-            extra["capture_s"] = _until_steady(step, crops, dev)
-        t, loss = time_step(step, crops, dev, p)
+        with inductor_mode(lever):  # the blocks compile at their first calls
+            if graphs:  # the warm-up calls and the capture, before the timing's own warm-up
+                extra["capture_s"] = _until_steady(step, crops, dev)
+            t, loss = time_step(step, crops, dev, p)
         mem = peak_memory_gb(dev)
         if graphs:
             extra["captures"] = step.graphed.captures

@@ -42,6 +42,12 @@ and its backward two (A^T dP, dP X^T), where the (B, N, D) layout makes matmul c
 to (B*D, N) and back. c broadcasts over B, the drop-path masks over N and D (the same
 draws, viewed (1, B, 1)); the channel MLP acts per token and takes either layout. The
 cross-patch MLP and conv ablations work on (B, N, D) and see a transposed view.
+
+Triton kernels (`block.kernels == 'triton'`, models/kernels/): the linear cross-patch, its
+scale s, bias c, drop-path mask and residual add in one kernel, whose backward also sums
+ds, dc and dA; fc1 with the exact GELU in its epilogue and fc2's input gradient with
+GELU's derivative and fc1's bias gradient in its own. The folded weights are computed here
+as on the torch path, so autograd carries the kernels' gradients back to the parameters.
 """
 from __future__ import annotations
 
@@ -51,6 +57,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DropPath
+
+from resmlp.models import kernels
 
 
 def _drop_prob(block: nn.Module) -> float:
@@ -93,6 +101,18 @@ def _normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _triton(block: nn.Module):
+    """The Triton operators' module where the block runs them (model.kernels=triton), else None."""
+    return kernels.load() if getattr(block, 'kernels', 'torch') == 'triton' else None
+
+
+def _gemm_dtype(weight: torch.Tensor, x: torch.Tensor) -> torch.dtype:
+    """The dtype of a torch GEMM's output on these operands: autocast's where it is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(weight.dtype, x.dtype)
+
+
 def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)
     if x.device.type == 'cpu' and not needs_grad:
@@ -117,6 +137,11 @@ def _cross_patch_half(block: nn.Module, x: torch.Tensor, grid, carried: Optional
     c = a.sum(dim=1, keepdim=True) * (ls1 * beta) + a_bias.unsqueeze(1) * ls1
     if carried is not None:
         c = c + carried
+    ops = _triton(block)
+    if ops is not None:  # the GEMM, its epilogue and the residual add in one kernel
+        mask = _drop_mask(block, batch, torch.promote_types(_gemm_dtype(a, u), ls1.dtype), x.device)
+        u = u if isinstance(block.norm1, nn.LayerNorm) else None
+        return ops.cross_patch_residual(a, x, u, ls1 * alpha, c, mask, token_major)
     p = torch.mm(a, u.reshape(u.shape[0], -1)).view(u.shape) if token_major else torch.matmul(a, u)
     if token_major:
         c = c.unsqueeze(1)  # (N, 1, D): the same for every image
@@ -130,17 +155,21 @@ def fused_block_forward(block: nn.Module, x: torch.Tensor, grid) -> torch.Tensor
     fc1, fc2, ls2 = block.mlp.fc1, block.mlp.fc2, block.ls2
     alpha2, beta2 = _affine_of(block.norm2)
     w2, b2 = fc2.weight * ls2.unsqueeze(1), fc2.bias * ls2
-    carry = (_drop_prob(block) == 0.0 and not torch.is_autocast_enabled(x.device.type)
+    ops = _triton(block)
+    carry = (ops is None and _drop_prob(block) == 0.0 and not torch.is_autocast_enabled(x.device.type)
              and not isinstance(block.norm2, nn.LayerNorm) and hasattr(block.cross_patch, 'weights_for'))
     z = x if block.cross_patch is None else _cross_patch_half(block, x, grid, b2 if carry else None)
     if carry:  # z holds Z + b2: Aff2(Z) = alpha2 * z + (beta2 - alpha2 * b2)
         beta2 = beta2 - alpha2 * b2
     w1 = fc1.weight * alpha2
     b1 = fc1.bias + (fc1.weight * beta2).sum(dim=1)
-    h = _linear_gelu(_normalize(block.norm2, z), w1, b1)
-    if carry:
-        return torch.addmm(z.reshape(-1, z.shape[-1]), h.reshape(-1, h.shape[-1]), w2.t()).view_as(z)
-    g = F.linear(h, w2, b2)
+    if ops is not None:  # GELU and its derivative in the GEMMs' epilogues
+        g = ops.gelu_mlp_forward(_normalize(block.norm2, z), w1, b1, w2, b2)
+    else:
+        h = _linear_gelu(_normalize(block.norm2, z), w1, b1)
+        if carry:
+            return torch.addmm(z.reshape(-1, z.shape[-1]), h.reshape(-1, h.shape[-1]), w2.t()).view_as(z)
+        g = F.linear(h, w2, b2)
     mask = _drop_mask(block, _batch_size(block, x), torch.promote_types(g.dtype, ls2.dtype), x.device)
     return z + g if mask is None else torch.addcmul(z, g, mask)
 
@@ -155,4 +184,5 @@ def describe(block: nn.Module) -> str:
     elif block.cross_patch is not None:
         parts.append('norm1 kept, ls1 + residual in one addcmul')
     return ('fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
-            + ('; tokens (N, B, D)' if _token_major(block) else ''))
+            + ('; tokens (N, B, D)' if _token_major(block) else '')
+            + ('; Triton kernels' if getattr(block, 'kernels', 'torch') == 'triton' else ''))

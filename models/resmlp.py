@@ -32,6 +32,7 @@ from timm.layers import DropPath, trunc_normal_
 from timm.models import register_model
 from torch.utils.checkpoint import checkpoint
 
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.models import fused
 
@@ -318,11 +319,13 @@ class FusedResMLPBlock(ResMLPBlock):
     Affs and LayerScales into the neighbouring weights on every call (models/fused.py has
     the algebra): the same function with fewer passes over the activations, for training.
     token_major: its tokens are (N, B, D) rather than (B, N, D) (the model sets it).
+    kernels: 'torch', or 'triton' for the kernels of models/kernels/ (a CUDA GPU's).
     """
 
-    def __init__(self, *args, token_major: bool = False, **kwargs):
+    def __init__(self, *args, token_major: bool = False, kernels: str = 'torch', **kwargs):
         super().__init__(*args, **kwargs)
         self.token_major = token_major
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         return fused.fused_block_forward(self, x, grid)
@@ -424,13 +427,15 @@ class ResMLP(nn.Module):
     token_major=True (fused only) keeps the residual stream as (N, B, D) from the patch
       embedding to the final norm, so that the cross-patch linear is one GEMM over all
       images with no transposes; forward_features then returns a (B, N, D) view of it.
+    kernels='triton' (fused only) runs the fused blocks' cross-patch and channel MLP in the
+      Triton kernels of models/kernels/ (CUDA; the CPU only under Triton's interpreter).
     """
 
     def __init__(self, img_size: int | Sequence[int] = 224, patch_size: int = 16, in_chans: int = 3,
                  num_classes: int = 1000, dim: int = 384, depth: int = 12, mlp_ratio: float = 4.0,
                  init_values: float = 0.1, drop_path_rate: float = 0.0, pooling: str = 'avg',
                  norm: str = 'affine', cross_patch: str = 'linear', grid_adapt: str = 'none',
-                 fused: bool = False, token_major: bool = False):
+                 fused: bool = False, token_major: bool = False, kernels: str = 'torch'):
         super().__init__()
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.img_size = img_size
@@ -446,13 +451,17 @@ class ResMLP(nn.Module):
         self.fused = bool(fused)
         if token_major and not fused:
             raise UserError('model.token_major=true needs model.fused=true (the plain blocks are batch-major)')
+        check_choice('model.kernels', kernels)
+        if kernels != 'torch' and not fused:
+            raise UserError(f'model.kernels={kernels} needs model.fused=true (the kernels are the fused block\'s)')
 
         self.patch_embed = PatchEmbed(patch_size, in_chans, dim, bool(token_major))
         grid = self.patch_embed.grid_for(*img_size)
         self._grid = grid
         # Constant stochastic depth over blocks, as in the official ResMLP and timm code
         # (DINO's ViT ramps it linearly; ResMLP never did).
-        block = functools.partial(FusedResMLPBlock, token_major=bool(token_major)) if fused else ResMLPBlock
+        block = (functools.partial(FusedResMLPBlock, token_major=bool(token_major), kernels=kernels)
+                 if fused else ResMLPBlock)
         self.blocks = nn.ModuleList(
             block(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
             for _ in range(depth))
@@ -623,8 +632,9 @@ _INT_KEYS = ('patch_size', 'in_chans', 'num_classes', 'dim', 'depth')
 _FLOAT_KEYS = ('drop_path_rate', 'init_values', 'mlp_ratio')
 _CHOICE_KEYS = {'pooling': POOLINGS, 'norm': NORMS, 'cross_patch': CROSS_PATCHES,
                 'grid_adapt': GRID_ADAPTS}
+_CONFIG_CHOICE_KEYS = ('kernels',)  # their words are their limits: entries in configs/ (check_choice)
 _BOOL_KEYS = ('fused', 'token_major')
-OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS
+OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS + _CONFIG_CHOICE_KEYS
 
 
 def _as_int(key: str, v) -> int:
@@ -668,9 +678,9 @@ def _check_overrides(overrides: Mapping) -> dict:
         elif key in _BOOL_KEYS:
             if not isinstance(v, bool):
                 raise UserError(f'model.{key} must be true or false, got {v!r}')
-        else:
+        elif key in _CHOICE_KEYS:
             v = _check_choice(f'model.{key}', v, _CHOICE_KEYS[key])
-        out[key] = v
+        out[key] = v  # a _CONFIG_CHOICE_KEYS value: ResMLP checks it
     return out
 
 

@@ -1,6 +1,7 @@
 """model.fused: FusedResMLPBlock (models/fused.py) against the plain ResMLPBlock. The same
 outputs and the same gradient for every parameter, in float32 and under CPU bf16 autocast,
-on the built grid and on a smaller one through each grid adaptation, with drop path drawn
+on the built grid and on a smaller one through each grid adaptation, in either token layout
+(model.token_major; tests/test_token_major.py has the rest of it), with drop path drawn
 from the same generator state; the same state dict, folding and export; a compiled step
 equal to the eager one; the config key through every trainer's builder."""
 from __future__ import annotations
@@ -31,12 +32,26 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
 
 
-def twin_blocks(norm: str, cross_patch: str, grid_adapt: str, drop_path: float = 0.5):
+def twin_blocks(norm: str, cross_patch: str, grid_adapt: str, drop_path: float = 0.5, **fused_kw):
+    """A plain block and a fused one (of `fused_kw`: token_major, ...) with the same parameters."""
     plain = ResMLPBlock(DIM, BUILT, 4.0, 0.1, drop_path, norm, cross_patch, grid_adapt)
     randomize(plain, seed=1)
-    fused = FusedResMLPBlock(DIM, BUILT, 4.0, 0.1, drop_path, norm, cross_patch, grid_adapt)
+    fused = FusedResMLPBlock(DIM, BUILT, 4.0, 0.1, drop_path, norm, cross_patch, grid_adapt, **fused_kw)
     fused.load_state_dict(plain.state_dict())
     return plain, fused
+
+
+def block_call(grid):
+    """Feeds a (B, N, D) batch to either block: token-major ones (model.token_major) get it as
+    (N, B, D) and their output comes back as (B, N, D), so both are compared on the same tensors."""
+    def call(net, t):
+        if getattr(net, 'token_major', False):
+            return net(t.transpose(0, 1).contiguous(), grid).transpose(0, 1)
+        return net(t, grid)
+    return call
+
+
+LAYOUTS = pytest.mark.parametrize('token_major', [False, True], ids=['BND', 'NBD'])
 
 
 def outputs_and_grads(net, call, x: torch.Tensor, seed: int, autocast: bool = False) -> list[torch.Tensor]:
@@ -87,27 +102,31 @@ def block_cases():
                 yield pytest.param(norm, cp, grid, adapt, id=f'{norm}-{cp}-{name}')
 
 
+@LAYOUTS
 @pytest.mark.parametrize('train', [True, False], ids=['drop-path', 'eval'])
 @pytest.mark.parametrize('norm,cross_patch,grid,grid_adapt', list(block_cases()))
-def test_a_fused_block_is_the_plain_block_in_fp32(norm, cross_patch, grid, grid_adapt, train):
-    plain, fused = twin_blocks(norm, cross_patch, grid_adapt)
+def test_a_fused_block_is_the_plain_block_in_fp32(norm, cross_patch, grid, grid_adapt, train, token_major):
+    """In either token layout (model.token_major): the masks drawn per image, not per token."""
+    plain, fused = twin_blocks(norm, cross_patch, grid_adapt, token_major=token_major)
     plain.train(train), fused.train(train)
     x = torch.randn(4, grid[0] * grid[1], DIM, generator=torch.Generator().manual_seed(0))
-    worst, errs = compare(plain, fused, lambda net, t: net(t, grid), x)
+    call = block_call(grid)
+    worst, errs = compare(plain, fused, call, x)
     assert worst <= FP32_TOL, errs
     if train:  # the masks matter: another generator state gives another result
-        other = outputs_and_grads(plain, lambda net, t: net(t, grid), x, seed=4)[0]
-        assert rel_err(other, outputs_and_grads(fused, lambda net, t: net(t, grid), x, seed=3)[0]) > 1e-2
+        other = outputs_and_grads(plain, call, x, seed=4)[0]
+        assert rel_err(other, outputs_and_grads(fused, call, x, seed=3)[0]) > 1e-2
 
 
+@LAYOUTS
 @pytest.mark.parametrize('train', [True, False], ids=['drop-path', 'eval'])
 @pytest.mark.parametrize('norm,cross_patch,grid,grid_adapt',
                          [c for c in block_cases() if c.values[1] in ('linear', 'conv3x3', 'none')])
-def test_a_fused_block_is_the_plain_block_under_bf16_autocast(norm, cross_patch, grid, grid_adapt, train):
-    plain, fused = twin_blocks(norm, cross_patch, grid_adapt)
+def test_a_fused_block_is_the_plain_block_under_bf16_autocast(norm, cross_patch, grid, grid_adapt, train, token_major):
+    plain, fused = twin_blocks(norm, cross_patch, grid_adapt, token_major=token_major)
     plain.train(train), fused.train(train)
     x = torch.randn(4, grid[0] * grid[1], DIM, generator=torch.Generator().manual_seed(0))
-    assert not bf16_misses(plain, fused, lambda net, t: net(t, grid), x)
+    assert not bf16_misses(plain, fused, block_call(grid), x)
 
 
 def twin_models(**kw):
@@ -198,31 +217,40 @@ def test_a_compiled_fused_step_is_the_eager_one():
         torch._dynamo.reset()
 
 
-def test_a_dino_step_fused_is_the_plain_one():
-    """One DINO step (student with drop path, no-grad teacher, loss, AdamW, EMA) from the
-    same weights and generator state: the same loss and the same teacher after it."""
+def dino_steps_agree(overrides: list[str], check=None) -> None:
+    """One DINO step (student with drop path, no-grad teacher, loss, AdamW, EMA) of the plain
+    blocks and of the blocks `overrides` make, from the same weights and generator state: the
+    same losses and the same teacher after two. `check(step)`: on the second step, once built."""
     from test_bench import tiny_profile
 
     import resmlp.bench.rows as R
     from resmlp.data.crop_plan import crop_plan
     cpu = torch.device('cpu')
     steps, losses = {}, {}
-    for fused in (False, True):
+    for other, over in ((False, ['model.fused=false']), (True, overrides)):
         torch.manual_seed(0)
-        cfg = R.dino_config(tiny_profile(), 'resmlp_s12', 'interpolate', [f'model.fused={str(fused).lower()}'])
-        steps[fused] = R.build_our_step(cfg, cpu, 'fp32', compile=False)
-        assert isinstance(steps[fused].student.backbone.blocks[0], FusedResMLPBlock) == fused
+        cfg = R.dino_config(tiny_profile(), 'resmlp_s12', 'interpolate', over)
+        steps[other] = R.build_our_step(cfg, cpu, 'fp32', compile=False)
+    assert isinstance(steps[False].student.backbone.blocks[0], ResMLPBlock)
+    if check:
+        check(steps[True])
     steps[True].student.load_state_dict(steps[False].student.state_dict())
     steps[True].teacher.load_state_dict(steps[False].teacher.state_dict())
     crops = R.synthetic_crops(crop_plan(cfg), 4, cpu)
-    for fused, step in steps.items():
+    for other, step in steps.items():
         torch.manual_seed(1)
-        losses[fused] = [R.call_step(step, [c.clone() for c in crops]) for _ in range(2)]
+        losses[other] = [R.call_step(step, [c.clone() for c in crops]) for _ in range(2)]
     for a, b in zip(losses[True], losses[False]):
         assert rel_err(a, b) <= 1e-5
     want = steps[False].teacher.state_dict()
     for key, value in steps[True].teacher.state_dict().items():
         assert rel_err(value, want[key]) <= 1e-5, key
+
+
+def test_a_dino_step_fused_is_the_plain_one():
+    def fused(step):
+        assert type(step.student.backbone.blocks[0]) is FusedResMLPBlock
+    dino_steps_agree(['model.fused=true'], fused)
 
 
 @pytest.mark.parametrize('command', ['dino', 'supervised', 'finetune', 'distill'])

@@ -1,14 +1,15 @@
 """model.token_major: the fused blocks' residual stream as (N, B, D) tokens (models/fused.py).
-The same outputs and the same gradient for every parameter as the plain (B, N, D) block and
-model, in float32 and under CPU bf16 autocast, on the built grid and on DINO's local-crop grid
-through each grid adaptation, with drop path drawn from the same generator state; the same
-state dict, folding and export; every reader of the tokens (forward_features, the pooling,
-pooled_block_features); DINO's MultiCropNet on global and local crops; compiled = eager."""
+The same outputs and the same gradient for every parameter as the plain (B, N, D) model, in
+float32 and under CPU bf16 autocast, at 224 px and at 96 px through each grid adaptation, with
+drop path drawn from the same generator state (each block variant: test_fused.py's block tests,
+in both layouts); the same state dict, folding and export; every reader of the tokens
+(forward_features, the pooling, pooled_block_features); DINO's MultiCropNet on global and
+local crops and a DINO step; compiled = eager."""
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fused import FP32_TOL, bf16_misses, block_cases, compare, outputs_and_grads, rel_err, twin_blocks
+from test_fused import FP32_TOL, bf16_misses, compare, dino_steps_agree, rel_err
 from test_models import randomize
 
 from resmlp.core import cli
@@ -18,46 +19,6 @@ from resmlp.models.from_config import build_model
 from resmlp.models.resmlp import FusedResMLPBlock, ResMLPBlock
 
 DIM = 32
-
-
-def token_major_twins(norm: str, cross_patch: str, grid_adapt: str):
-    plain, fused = twin_blocks(norm, cross_patch, grid_adapt)
-    fused.token_major = True
-    return plain, fused
-
-
-def block_call(grid):
-    """Feeds a (B, N, D) batch to either block: token-major ones get it as (N, B, D), and
-    their output comes back as (B, N, D), so both are compared on the same tensors."""
-    def call(net, t):
-        if getattr(net, 'token_major', False):
-            return net(t.transpose(0, 1).contiguous(), grid).transpose(0, 1)
-        return net(t, grid)
-    return call
-
-
-@pytest.mark.parametrize('train', [True, False], ids=['drop-path', 'eval'])
-@pytest.mark.parametrize('norm,cross_patch,grid,grid_adapt', list(block_cases()))
-def test_a_token_major_block_is_the_plain_block_in_fp32(norm, cross_patch, grid, grid_adapt, train):
-    plain, fused = token_major_twins(norm, cross_patch, grid_adapt)
-    plain.train(train), fused.train(train)
-    x = torch.randn(4, grid[0] * grid[1], DIM, generator=torch.Generator().manual_seed(0))
-    call = block_call(grid)
-    worst, errs = compare(plain, fused, call, x)
-    assert worst <= FP32_TOL, errs
-    if train:  # the masks matter: another generator state gives another result
-        other = outputs_and_grads(plain, call, x, seed=4)[0]
-        assert rel_err(other, outputs_and_grads(fused, call, x, seed=3)[0]) > 1e-2
-
-
-@pytest.mark.parametrize('train', [True, False], ids=['drop-path', 'eval'])
-@pytest.mark.parametrize('norm,cross_patch,grid,grid_adapt',
-                         [c for c in block_cases() if c.values[1] in ('linear', 'conv3x3', 'none')])
-def test_a_token_major_block_is_the_plain_block_under_bf16_autocast(norm, cross_patch, grid, grid_adapt, train):
-    plain, fused = token_major_twins(norm, cross_patch, grid_adapt)
-    plain.train(train), fused.train(train)
-    x = torch.randn(4, grid[0] * grid[1], DIM, generator=torch.Generator().manual_seed(0))
-    assert not bf16_misses(plain, fused, block_call(grid), x)
 
 
 def token_major_models(**kw):
@@ -112,64 +73,58 @@ def test_the_same_state_dict_folding_and_export():
         assert rel_err(fused.eval()(x), plain(x)) <= FP32_TOL
 
 
-def test_the_multicrop_net_of_dino_on_global_and_local_crops():
-    """ssl/networks.py's MultiCropNet (the student: drop path on, 2 global and 2 local crops,
-    head included): the same head outputs, global features and gradients."""
-    from resmlp.core.config import load_config as load
+def multicrop_nets_agree(device: str = 'cpu', tol: float = FP32_TOL, model: dict | None = None, **fused) -> None:
+    """ssl/networks.py's MultiCropNet (the student: drop path on, 2 global 224 px and 2 local
+    96 px crops, head included) of the backbone `model` sets, with plain blocks and with the
+    fused blocks `fused` sets: the same head outputs, global features and gradients."""
     from resmlp.ssl.head import build_head
     from resmlp.ssl.networks import MultiCropNet
-    cfg = load('dino', 'resmlp_s12', ['demo=false', 'dino.out_dim=64', 'dino.hidden_dim=32',
-                                      'dino.bottleneck_dim=16'])
+    cfg = load_config('dino', 'resmlp_s12', ['demo=false', 'dino.out_dim=64', 'dino.hidden_dim=32',
+                                             'dino.bottleneck_dim=16'])
     nets = []
-    for token_major in (False, True):
+    for kw in ({}, {'fused': True, **fused}):
         torch.manual_seed(0)
-        backbone = create_model('resmlp_s12', dim=DIM, depth=2, num_classes=0, drop_path_rate=0.3,
-                                grid_adapt='interpolate', fused=token_major, token_major=token_major)
-        nets.append(MultiCropNet(backbone, build_head(DIM, cfg.dino)))
+        kw = {'dim': DIM, 'depth': 2, 'num_classes': 0, 'drop_path_rate': 0.3, 'grid_adapt': 'interpolate',
+              **(model or {}), **kw}
+        nets.append(MultiCropNet(create_model('resmlp_s12', **kw), build_head(DIM, cfg.dino)).to(device))
     randomize(nets[0].backbone, seed=3)
     nets[1].load_state_dict(nets[0].state_dict())
     g = torch.Generator().manual_seed(0)
-    crops = [torch.randn(2, 3, s, s, generator=g) for s in (224, 224, 96, 96)]
-
+    crops = [torch.randn(2, 3, s, s, generator=g).to(device) for s in (224, 224, 96, 96)]
     results = []
     for net in nets:
         first = crops[0].clone().requires_grad_(True)
         torch.manual_seed(5)
         out, feats = net([first, *crops[1:]], global_features=True)
         trained = [p for p in net.parameters() if p.requires_grad]
-        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device)
         grads = torch.autograd.grad((out * probe).sum() + feats.square().sum(), [first, *trained])
         results.append([out, feats, *grads])
     assert len(results[0]) == len(results[1]) > 20
     for want, got in zip(*results):
-        assert rel_err(got, want) <= FP32_TOL
+        assert rel_err(got, want) <= tol
+
+
+def test_the_multicrop_net_of_dino_on_global_and_local_crops():
+    multicrop_nets_agree(token_major=True)
+
 
 def test_a_dino_step_token_major_is_the_plain_one():
-    """One DINO step (student with drop path, no-grad teacher, loss, AdamW, EMA) from the
-    same weights and generator state: the same loss and the same teacher after it."""
-    from test_bench import tiny_profile
+    def token_major(step):
+        assert step.student.backbone.token_major and step.teacher.backbone.token_major
+    dino_steps_agree(['model.fused=true', 'model.token_major=true'], token_major)
 
-    import resmlp.bench.rows as R
-    from resmlp.data.crop_plan import crop_plan
-    cpu = torch.device('cpu')
-    steps, losses = {}, {}
-    for token_major in (False, True):
-        torch.manual_seed(0)
-        over = ['model.fused=true', 'model.token_major=true'] if token_major else ['model.fused=false']
-        cfg = R.dino_config(tiny_profile(), 'resmlp_s12', 'interpolate', over)
-        steps[token_major] = R.build_our_step(cfg, cpu, 'fp32', compile=False)
-        assert steps[token_major].student.backbone.token_major == token_major
-    steps[True].student.load_state_dict(steps[False].student.state_dict())
-    steps[True].teacher.load_state_dict(steps[False].teacher.state_dict())
-    crops = R.synthetic_crops(crop_plan(cfg), 4, cpu)
-    for token_major, step in steps.items():
-        torch.manual_seed(1)
-        losses[token_major] = [R.call_step(step, [c.clone() for c in crops]) for _ in range(2)]
-    for a, b in zip(losses[True], losses[False]):
-        assert rel_err(a, b) <= 1e-5
-    want = steps[False].teacher.state_dict()
-    for key, value in steps[True].teacher.state_dict().items():
-        assert rel_err(value, want[key]) <= 1e-5, key
+
+def compiled_is_eager(eager, compiled, x, sizes, tol: float = FP32_TOL) -> None:
+    """A training step of `compiled` (eager's weights) gives eager's output and gradients on
+    x cropped to each of `sizes`; Dynamo's caches are reset after."""
+    compiled.load_state_dict(eager.state_dict())
+    try:
+        for size in sizes:
+            worst, errs = compare(eager, compiled, lambda net, t: net(t), x[..., :size, :size])
+            assert worst <= tol, errs
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.slow
@@ -177,32 +132,33 @@ def test_a_compiled_token_major_step_is_the_eager_one():
     """Regional compilation (core/compiling.py) of a token-major model: one compiled block
     for the depth; a training step's output and gradients equal eager's at two grids."""
     from resmlp.core.compiling import compile_regions
-    plain, fused = token_major_models(dim=16, img_size=32, patch_size=8, grid_adapt='interpolate')
-    compiled = token_major_models(dim=16, img_size=32, patch_size=8, grid_adapt='interpolate')[1]
-    compiled.load_state_dict(fused.state_dict())
+    kw = dict(dim=16, img_size=32, patch_size=8, grid_adapt='interpolate')
+    fused, compiled = token_major_models(**kw)[1], token_major_models(**kw)[1]
     compile_regions(compiled)
-    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    try:
-        for size in (32, 16):
-            worst, errs = compare(fused, compiled, lambda net, t: net(t), x[..., :size, :size])
-            assert worst <= FP32_TOL, errs
-    finally:
-        torch._dynamo.reset()
+    compiled_is_eager(fused, compiled, torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)), (32, 16))
 
 
-def test_model_token_major_reaches_the_builder_and_needs_the_fused_block(tmp_path, capsys):
+def fused_key_reaches_the_builder(tmp_path, capsys, key: str, value: str, want, default, bad: str) -> None:
+    """model.<key>, an option of the fused blocks: unset, each block has the attribute `key` at
+    `default`; model.<key>=<value>, at `want`; a word not in its limits, or the key with
+    model.fused=false: one line (naming the key and what to write) and no run dir."""
     over = ['model.dim=16', 'model.depth=1', 'data.img_size=32', 'model.patch_size=8']
-    for value, token_major in ((None, False), ('true', True)):
-        cfg = load_config('dino', 'resmlp_s12', over + ([f'model.token_major={value}'] if value else []))
-        model = build_model(cfg.model, num_classes=3)
-        assert model.token_major == token_major and model.blocks[0].token_major == token_major
-    for bad, words in ((['model.token_major=maybe'], ['model.token_major', 'true']),
-                       (['model.token_major=true', 'model.fused=false'], ['model.token_major', 'model.fused=true'])):
-        assert cli.main(['dino', 'resmlp_s12', *bad, f'out={tmp_path / "run"}']) == 2
+    for given, want in ((None, default), (value, want)):
+        cfg = load_config('dino', 'resmlp_s12', over + ([f'model.{key}={given}'] if given else []))
+        assert getattr(build_model(cfg.model, num_classes=3).blocks[0], key) == want
+    for args, words in (([f'model.{key}={bad}'], [f'model.{key}']),
+                        ([f'model.{key}={value}', 'model.fused=false'], [f'model.{key}', 'model.fused=true'])):
+        assert cli.main(['dino', 'resmlp_s12', *args, f'out={tmp_path / "run"}']) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), err
     assert not (tmp_path / 'run').exists()
 
+
+def test_model_token_major_reaches_the_builder_and_needs_the_fused_block(tmp_path, capsys):
+    fused_key_reaches_the_builder(tmp_path, capsys, 'token_major', 'true', True, False, 'maybe')
+    model = build_model(load_config('dino', 'resmlp_s12', ['model.dim=16', 'model.depth=1', 'data.img_size=32',
+                                                           'model.patch_size=8', 'model.token_major=true']).model)
+    assert model.token_major and model.patch_embed.token_major
 
 
 def test_the_bench_measures_each_lever_beside_the_fused_block(monkeypatch):
