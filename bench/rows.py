@@ -90,6 +90,7 @@ def fused_values(p) -> list[bool]:
 LEVERS = {
     "token-major": ["model.token_major=true"],
     "triton": ["model.kernels=triton"],
+    "bf16-residual": ["model.residual_dtype=bf16"],
     "max-autotune": [],
 }
 # Levers that compile the blocks in another Inductor mode (compiled lines only): max-autotune's

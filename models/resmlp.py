@@ -320,12 +320,15 @@ class FusedResMLPBlock(ResMLPBlock):
     the algebra): the same function with fewer passes over the activations, for training.
     token_major: its tokens are (N, B, D) rather than (B, N, D) (the model sets it).
     kernels: 'torch', or 'triton' for the kernels of models/kernels/ (a CUDA GPU's).
+    residual_dtype: 'fp32', or 'bf16' for a bfloat16 residual stream under autocast.
     """
 
-    def __init__(self, *args, token_major: bool = False, kernels: str = 'torch', **kwargs):
+    def __init__(self, *args, token_major: bool = False, kernels: str = 'torch', residual_dtype: str = 'fp32',
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.token_major = token_major
         self.kernels = kernels
+        self.residual_dtype = residual_dtype
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         return fused.fused_block_forward(self, x, grid)
@@ -429,13 +432,16 @@ class ResMLP(nn.Module):
       images with no transposes; forward_features then returns a (B, N, D) view of it.
     kernels='triton' (fused only) runs the fused blocks' cross-patch and channel MLP in the
       Triton kernels of models/kernels/ (CUDA; the CPU only under Triton's interpreter).
+    residual_dtype='bf16' (fused only) keeps the blocks' residual stream in bfloat16 under
+      autocast (float32 otherwise, as the plain blocks' type promotion makes it).
     """
 
     def __init__(self, img_size: int | Sequence[int] = 224, patch_size: int = 16, in_chans: int = 3,
                  num_classes: int = 1000, dim: int = 384, depth: int = 12, mlp_ratio: float = 4.0,
                  init_values: float = 0.1, drop_path_rate: float = 0.0, pooling: str = 'avg',
                  norm: str = 'affine', cross_patch: str = 'linear', grid_adapt: str = 'none',
-                 fused: bool = False, token_major: bool = False, kernels: str = 'torch'):
+                 fused: bool = False, token_major: bool = False, kernels: str = 'torch',
+                 residual_dtype: str = 'fp32'):
         super().__init__()
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.img_size = img_size
@@ -454,14 +460,18 @@ class ResMLP(nn.Module):
         check_choice('model.kernels', kernels)
         if kernels != 'torch' and not fused:
             raise UserError(f'model.kernels={kernels} needs model.fused=true (the kernels are the fused block\'s)')
+        check_choice('model.residual_dtype', residual_dtype)
+        if residual_dtype != 'fp32' and not fused:
+            raise UserError(f'model.residual_dtype={residual_dtype} needs model.fused=true (the plain blocks '
+                            'keep the stream in float32)')
 
         self.patch_embed = PatchEmbed(patch_size, in_chans, dim, bool(token_major))
         grid = self.patch_embed.grid_for(*img_size)
         self._grid = grid
         # Constant stochastic depth over blocks, as in the official ResMLP and timm code
         # (DINO's ViT ramps it linearly; ResMLP never did).
-        block = (functools.partial(FusedResMLPBlock, token_major=bool(token_major), kernels=kernels)
-                 if fused else ResMLPBlock)
+        block = (functools.partial(FusedResMLPBlock, token_major=bool(token_major), kernels=kernels,
+                                   residual_dtype=residual_dtype) if fused else ResMLPBlock)
         self.blocks = nn.ModuleList(
             block(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
             for _ in range(depth))
@@ -632,7 +642,7 @@ _INT_KEYS = ('patch_size', 'in_chans', 'num_classes', 'dim', 'depth')
 _FLOAT_KEYS = ('drop_path_rate', 'init_values', 'mlp_ratio')
 _CHOICE_KEYS = {'pooling': POOLINGS, 'norm': NORMS, 'cross_patch': CROSS_PATCHES,
                 'grid_adapt': GRID_ADAPTS}
-_CONFIG_CHOICE_KEYS = ('kernels',)  # their words are their limits: entries in configs/ (check_choice)
+_CONFIG_CHOICE_KEYS = ('kernels', 'residual_dtype')  # their words are their limits: entries in configs/ (check_choice)
 _BOOL_KEYS = ('fused', 'token_major')
 OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS + _CONFIG_CHOICE_KEYS
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fused import BF16_TOL, bf16_misses, block_call, compare, outputs_and_grads, rel_err
+from test_fused import (BF16_TOL, bf16_misses, bf16_stream_misses, block_call, compare, outputs_and_grads, rel_err,
+                        twin_models)
 from test_models import randomize
 from test_token_major import compiled_is_eager, fused_key_reaches_the_builder, multicrop_nets_agree
 
@@ -139,11 +140,11 @@ def test_gelu_mlp_kernels_are_the_formula():
 
 # ---- the block and the model against the plain ones ---------------------------------------
 
-def kernel_twins(norm: str, cross_patch: str, grid_adapt: str, token_major: bool):
+def kernel_twins(norm: str, cross_patch: str, grid_adapt: str, token_major: bool, residual_dtype: str = "fp32"):
     """A plain block and a fused one with the kernels, the same parameters, built at 224 px."""
     args = (DIM, BUILT, 4.0, 0.1, 0.5, norm, cross_patch, grid_adapt)
     plain = randomize(ResMLPBlock(*args), seed=1).to(DEVICE)
-    fused = FusedResMLPBlock(*args, token_major=token_major, kernels="triton").to(DEVICE)
+    fused = FusedResMLPBlock(*args, token_major=token_major, kernels="triton", residual_dtype=residual_dtype).to(DEVICE)
     fused.load_state_dict(plain.state_dict())
     return plain, fused
 
@@ -176,12 +177,25 @@ def test_a_triton_block_is_the_plain_block(norm, cross_patch, grid, grid_adapt, 
     assert not bf16_misses(plain, fused, call, x)
 
 
-def triton_models(token_major: bool = False, **kw):
-    kw = {"dim": DIM, "depth": 2, "num_classes": 10, "patch_size": PATCH, **kw}
-    plain = randomize(create_model("resmlp_s12", **kw), seed=2).to(DEVICE)
-    fused = create_model("resmlp_s12", fused=True, kernels="triton", token_major=token_major, **kw).to(DEVICE)
-    fused.load_state_dict(plain.state_dict())
-    return plain, fused
+@kernel_case
+@pytest.mark.parametrize("norm", ["affine", "layernorm"])
+@pytest.mark.parametrize("token_major", [False, True], ids=["BND", "NBD"])
+def test_a_triton_block_with_a_bf16_stream_is_the_plain_block_within_bf16(norm, token_major):
+    """model.residual_dtype=bf16 with the kernels: under autocast the kernel writes a bfloat16
+    stream, within bf16's tolerance of the exact block (test_fused's bf16_stream_misses);
+    without autocast the float32 one."""
+    plain, fused = kernel_twins(norm, "linear", "subgrid", token_major, residual_dtype="bf16")
+    x = torch.randn(2, 9, DIM, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    call = block_call((3, 3))
+    assert not bf16_stream_misses(plain, fused, call, x)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert call(fused, x).dtype == torch.bfloat16
+    worst, errs = compare(plain, fused, call, x)
+    assert worst <= FP32_TOL, errs
+
+
+def triton_models(**kw):
+    return [m.to(DEVICE) for m in twin_models(kernels="triton", patch_size=PATCH, **kw)]
 
 
 @kernel_case
@@ -197,6 +211,18 @@ def test_a_triton_resmlp_is_the_plain_one(size, grid_adapt, token_major):
     plain.eval(), fused.eval()
     with torch.no_grad():  # the teacher's and the evaluations' path
         assert rel_err(fused(x), plain(x)) <= FP32_TOL
+
+
+@kernel_case
+def test_every_lever_together_is_the_plain_model_within_bf16():
+    """Token-major, the kernels and a bf16 stream at once (the bench's together line) on a
+    96 px crop through subgrid, drop path on: within bf16's tolerance under autocast, the
+    plain model's function in float32."""
+    plain, fused = triton_models(drop_path_rate=0.3, grid_adapt="subgrid", token_major=True, residual_dtype="bf16")
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    assert not bf16_stream_misses(plain, fused, lambda net, t: net(t), x)
+    worst, errs = compare(plain, fused, lambda net, t: net(t), x)
+    assert worst <= FP32_TOL, errs
 
 
 @kernel_case
@@ -261,13 +287,13 @@ def test_model_kernels_reaches_the_builder_and_runs_only_where_it_can(tmp_path, 
 
 
 def test_the_bench_measures_the_kernels_and_max_autotune_as_levers(monkeypatch):
-    """bench.<profile>.levers: triton a line of its own and with token-major together;
-    max-autotune only where the blocks compile, in Inductor's max-autotune mode."""
+    """bench.<profile>.levers: triton and bf16-residual lines of their own, then with token-major
+    all together; max-autotune only where the blocks compile, in Inductor's max-autotune mode."""
     import torch._inductor.config as inductor
 
     import resmlp.bench.rows as R
     from resmlp.bench.bench import Context
-    p = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.levers=[token-major,triton,max-autotune]",
+    p = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.levers=[token-major,triton,bf16-residual,max-autotune]",
                                             "bench.tiny.strategies=[subgrid]", "bench.tiny.compile=[false,true]",
                                             "bench.tiny.graphs=[eager,compile]", "bench.tiny.fused=[true]",
                                             "bench.tiny.interleave=false"]).bench.tiny
@@ -278,11 +304,12 @@ def test_the_bench_measures_the_kernels_and_max_autotune_as_levers(monkeypatch):
     ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
     R.dino_family(ctx)
     kinds = ("eager", "compile", "eager+graphs", "compile+graphs")
-    want = [*(f"ours fused {lever}{k}" for lever in ("", "token-major ", "triton ") for k in kinds),
+    want = [*(f"ours fused {lever}{k}" for lever in ("", "token-major ", "triton ", "bf16-residual ") for k in kinds),
             "ours fused max-autotune compile", "ours fused max-autotune compile+graphs",
-            *(f"ours fused token-major+triton {k}" for k in kinds), "reference"]
+            *(f"ours fused token-major+triton+bf16-residual {k}" for k in kinds), "reference"]
     assert [r["impl"] for r in ctx.results] == want
-    assert ("token-major+triton", ["model.token_major=true", "model.kernels=triton"]) in modes
+    assert ("token-major+triton+bf16-residual",
+            ["model.token_major=true", "model.kernels=triton", "model.residual_dtype=bf16"]) in modes
     assert not inductor.max_autotune
     with R.inductor_mode("max-autotune"):
         assert inductor.max_autotune and not inductor.triton.cudagraphs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused import FP32_TOL, bf16_misses, compare, dino_steps_agree, rel_err
+from test_fused import FP32_TOL, bf16_misses, compare, dino_steps_agree, rel_err, twin_models
 from test_models import randomize
 
 from resmlp.core import cli
@@ -21,20 +21,12 @@ from resmlp.models.resmlp import FusedResMLPBlock, ResMLPBlock
 DIM = 32
 
 
-def token_major_models(**kw):
-    kw = {'dim': DIM, 'depth': 2, 'num_classes': 10, **kw}
-    plain = randomize(create_model('resmlp_s12', **kw), seed=2)
-    fused = create_model('resmlp_s12', fused=True, token_major=True, **kw)
-    fused.load_state_dict(plain.state_dict())
-    return plain, fused
-
-
 @pytest.mark.parametrize('size,grid_adapt', [(224, 'interpolate'), (96, 'interpolate'), (96, 'subgrid')])
 @pytest.mark.parametrize('kw', [{}, {'pooling': 'class_mlp', 'norm': 'layernorm'}], ids=['avg', 'class_mlp-ln'])
 def test_a_token_major_resmlp_is_the_plain_one(size, grid_adapt, kw):
     """A 224 px model fed 224 px and 96 px crops, drop path on: logits, pooled block features
     and tokens, in fp32 and bf16, and with gradient checkpointing."""
-    plain, fused = token_major_models(drop_path_rate=0.3, grid_adapt=grid_adapt, **kw)
+    plain, fused = twin_models(token_major=True, drop_path_rate=0.3, grid_adapt=grid_adapt, **kw)
     assert fused.token_major and not plain.token_major
     assert all(type(b) is FusedResMLPBlock and b.token_major for b in fused.blocks)
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
@@ -56,7 +48,7 @@ def test_a_token_major_resmlp_is_the_plain_one(size, grid_adapt, kw):
 
 
 def test_the_same_state_dict_folding_and_export():
-    plain, fused = token_major_models(grid_adapt='subgrid')
+    plain, fused = twin_models(token_major=True, grid_adapt='subgrid')
     sd_plain, sd_fused = plain.state_dict(), fused.state_dict()
     assert list(sd_fused) == list(sd_plain)
     assert all(torch.equal(sd_fused[k], v) for k, v in sd_plain.items())
@@ -133,7 +125,7 @@ def test_a_compiled_token_major_step_is_the_eager_one():
     for the depth; a training step's output and gradients equal eager's at two grids."""
     from resmlp.core.compiling import compile_regions
     kw = dict(dim=16, img_size=32, patch_size=8, grid_adapt='interpolate')
-    fused, compiled = token_major_models(**kw)[1], token_major_models(**kw)[1]
+    fused, compiled = twin_models(token_major=True, **kw)[1], twin_models(token_major=True, **kw)[1]
     compile_regions(compiled)
     compiled_is_eager(fused, compiled, torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)), (32, 16))
 
