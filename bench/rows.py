@@ -121,6 +121,12 @@ def inductor_mode(line: str | None):
     return torch._inductor.config.patch(torch._inductor.list_mode_options(mode))
 
 
+def plain_blocks(cfg):
+    """cfg with the plain blocks: model.fused=false, the fused blocks' options (a lever line's) unset."""
+    from resmlp.models.resmlp import FUSED_OPTIONS
+    return OmegaConf.merge(cfg, {"model": {"fused": False, **dict.fromkeys(FUSED_OPTIONS)}})
+
+
 def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     return [torch.randn(batch, 3, s, s, device=device, generator=g) for s in plan.sizes]
@@ -304,7 +310,7 @@ def _count_flops(cfg, dev, precision: str, crops, step=None) -> int:
     fused ones do the same math, but FlopCounterMode has no formula for the CPU's GELU
     epilogue (_addmm_activation)."""
     if step is None:
-        step = build_our_step(OmegaConf.merge(cfg, {"model": {"fused": False}}), dev, precision, False)
+        step = build_our_step(plain_blocks(cfg), dev, precision, False)
     return count_flops(lambda: call_step(step, crops))
 
 

@@ -643,6 +643,9 @@ _FLOAT_KEYS = ('drop_path_rate', 'init_values', 'mlp_ratio')
 _CHOICE_KEYS = {'pooling': POOLINGS, 'norm': NORMS, 'cross_patch': CROSS_PATCHES,
                 'grid_adapt': GRID_ADAPTS}
 _CONFIG_CHOICE_KEYS = ('kernels', 'residual_dtype')  # their words are their limits: entries in configs/ (check_choice)
+# How the fused blocks run, not what they compute: the same weights either way, and a model
+# built from saved weights for evaluation takes none of them (models/load.py).
+FUSED_OPTIONS = ('token_major', 'kernels', 'residual_dtype')
 _BOOL_KEYS = ('fused', 'token_major')
 OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS + _CONFIG_CHOICE_KEYS
 

@@ -63,6 +63,15 @@ def test_the_same_state_dict_folding_and_export():
     with torch.no_grad():
         assert rel_err(folded(x), plain.eval()(x)) <= FP32_TOL
         assert rel_err(fused.eval()(x), plain(x)) <= FP32_TOL
+    # evaluations build the backbone from the saved weights and config: how the blocks ran
+    # in training (fused, token-major, Triton kernels, a bf16 stream) is not theirs to repeat
+    from resmlp.models.load import resmlp_from_state_dict
+    saved = {'name': 'resmlp_s12', 'grid_adapt': 'subgrid', 'fused': True, 'token_major': True, 'kernels': 'triton',
+             'residual_dtype': 'bf16'}
+    backbone, _, arch = resmlp_from_state_dict(sd_fused, 'a run', saved)
+    assert arch['grid_adapt'] == 'subgrid' and not {'fused', 'token_major', 'kernels', 'residual_dtype'} & set(arch)
+    with torch.no_grad():
+        assert rel_err(backbone.eval()(x), plain.forward_head(plain.forward_features(x), pre_logits=True)) <= FP32_TOL
 
 
 def multicrop_nets_agree(device: str = 'cpu', tol: float = FP32_TOL, model: dict | None = None, **fused) -> None:
@@ -174,9 +183,10 @@ def test_the_bench_measures_each_lever_beside_the_fused_block(monkeypatch):
                                                 *(f"ours fused token-major {k}" for k in kinds), "reference"]
     assert built[-4:] == [(False, False, True, "token-major"), (True, False, True, "token-major"),
                           (False, True, True, "token-major"), (True, True, True, "token-major")]
-    cfg = R._step_inputs(Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False), "resmlp_s12", "subgrid",
-                         4, fused=True, lever="token-major")[0]
+    cfg, _, crops = R._step_inputs(Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False), "resmlp_s12",
+                                   "subgrid", 4, fused=True, lever="token-major")
     assert cfg.model.token_major and cfg.model.fused
+    assert R._count_flops(cfg, torch.device("cpu"), "fp32", crops) > 0  # of the plain blocks, whatever the line's
     # interleaved, as the cpu profile times it: the real steps, one timing for all
     monkeypatch.undo()
     p = load("bench", "resmlp_s12", over).bench.tiny
