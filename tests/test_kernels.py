@@ -240,6 +240,12 @@ def test_a_compiled_triton_step_is_the_eager_one():
     draws its own masks."""
     from resmlp.core.compiling import regions
     fused, compiled = (triton_models(grid_adapt="subgrid", token_major=True)[1] for _ in range(2))
+    tokens = torch.randn(9, 2, DIM, device=DEVICE, requires_grad=True)
+    for autocast in (False, True):  # one graph per block: nothing in the operators' calls breaks it
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            explained = torch._dynamo.explain(fused.blocks[0])(tokens, (3, 3))
+        torch._dynamo.reset()
+        assert explained.graph_break_count == 0, explained.break_reasons
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"  # no Inductor CPU code for a Triton kernel
     for block in regions(compiled):
         block.compile(dynamic=False, backend=backend)

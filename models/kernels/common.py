@@ -64,6 +64,13 @@ def mma(a, b, acc, DOT: tl.constexpr):
     return acc
 
 
+@torch._dynamo.assume_constant_result
+def _fp32_matmul_exact() -> bool:
+    """torch's float32 matmul precision is "highest": read when a compiled graph is made (a
+    string is no tensor Dynamo can trace; asked each call, it would break the graph)."""
+    return torch.get_float32_matmul_precision() == "highest"
+
+
 def dot_mode(device: torch.device) -> int:
     """The GEMM precision of the torch path at this point: autocast's dtype where autocast is
     on, else float32 at torch's float32 matmul precision."""
@@ -71,7 +78,7 @@ def dot_mode(device: torch.device) -> int:
         dtype = torch.get_autocast_dtype(device.type)
         if dtype in (torch.bfloat16, torch.float16):
             return DOT_BF16 if dtype == torch.bfloat16 else DOT_FP16
-    return DOT_IEEE if torch.get_float32_matmul_precision() == "highest" else DOT_TF32
+    return DOT_IEEE if _fp32_matmul_exact() else DOT_TF32
 
 
 def tile(n: int, low: int = 16, high: int = 64) -> int:
