@@ -4,8 +4,9 @@ becomes that line's error while the other lines still run.
 
   peak       measured dense matmul rate: the ceiling for '% of peak'
   dino       one DINO step on synthetic crops: ours (resmlp.ssl.step.DinoStep), with plain
-             and fused blocks (model.fused), and the reference-style loop
-             (bench/reference.py), per model and crop strategy
+             and fused blocks (model.fused), the fused block with each of the profile's
+             `levers` (LEVERS), and the reference-style loop (bench/reference.py), per model
+             and crop strategy
   e2e        the same step fed from JPEG files by DataLoader workers: the CPU multi-crop
              transform vs whole decoded images + GpuMultiCrop (on a GPU also with the
              JPEGs decoded there), against the synthetic-input step
@@ -83,6 +84,48 @@ def ours(kind: str, fused: bool) -> str:
 def fused_values(p) -> list[bool]:
     """The profile's `fused` list (a profile written before it: the plain block only)."""
     return [bool(f) for f in (p.get("fused") or [False])]
+
+
+# The fused block's levers (issue 43), each a line "ours fused <lever> <kind>" of its own:
+# the model overrides it sets, or none for a compile option (INDUCTOR_MODES).
+LEVERS = {
+    "token-major": ["model.token_major=true"],
+    "triton": ["model.kernels=triton"],
+    "bf16-residual": ["model.residual_dtype=bf16"],
+    "max-autotune": [],
+}
+# Levers that compile the blocks in another Inductor mode (compiled lines only): max-autotune's
+# GEMM templates may fuse GELU into fc1's epilogue where cuBLAS cannot; its first call holds
+# the autotuning. Not Inductor's own CUDA graphs, which cannot nest in the step's capture.
+INDUCTOR_MODES = {"max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def lever_lines(p) -> list[str]:
+    """The profile's `levers` (a profile written before them: none), each alone, then those
+    that change the model all together ("token-major+triton+..."), when there are two."""
+    levers = [str(v) for v in (p.get("levers") or [])]
+    on_model = [v for v in levers if LEVERS[v]]
+    return levers + (["+".join(on_model)] if len(on_model) > 1 else [])
+
+
+def lever_overrides(line: str | None) -> list[str]:
+    """The model overrides of a lever line ("a+b": both levers'); none for None."""
+    return [o for lever in (line.split("+") if line else []) for o in LEVERS[lever]]
+
+
+def inductor_mode(line: str | None):
+    """A context that compiles in the lever line's Inductor mode (nothing for other lines)."""
+    mode = INDUCTOR_MODES.get(line or "")
+    if mode is None:
+        return contextlib.nullcontext()
+    import torch._inductor
+    return torch._inductor.config.patch(torch._inductor.list_mode_options(mode))
+
+
+def plain_blocks(cfg):
+    """cfg with the plain blocks: model.fused=false, the fused blocks' options (a lever line's) unset."""
+    from resmlp.models.resmlp import FUSED_OPTIONS
+    return OmegaConf.merge(cfg, {"model": {"fused": False, **dict.fromkeys(FUSED_OPTIONS)}})
 
 
 def synthetic_crops(plan, batch: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
@@ -191,28 +234,36 @@ def dino_family(ctx) -> None:
 
 
 def _dino_lines(ctx, model: str, strategy: str, batch: int) -> None:
-    """Ours for each `fused` value (eager and compiled, then graphed), then the reference."""
+    """Ours for each `fused` value, then the fused block with each lever line (eager and
+    compiled, then graphed), then the reference."""
     p = ctx.p
     flops: dict = {}
     fused_list = fused_values(p)
+    levers = lever_lines(p)
     together = bool(p.get("interleave")) and bool(p.reference) and False in list(p.compile)
     timed: dict = {}  # impl -> fields of the lines timed together (interleave)
-    for fused in fused_list:
+    for fused, lever in [(f, None) for f in fused_list] + [(True, line) for line in levers]:
+        prefix = f"{lever} " if lever else ""
         for comp in p.compile:
-            ident = {"model": model, "strategy": strategy, "impl": ours("compile" if comp else "eager", fused),
+            if lever in INDUCTOR_MODES and not comp:
+                continue
+            ident = {"model": model, "strategy": strategy, "impl": ours(prefix + ("compile" if comp else "eager"), fused),
                      "batch": batch}
             if together and not comp:
                 ctx.attempt("dino", ident, lambda: timed.pop(ident["impl"], None) or
-                            _dino_together(ctx, model, strategy, batch, fused_list, flops, timed)[ident["impl"]])
+                            _dino_together(ctx, model, strategy, batch, fused_list, flops, timed, levers)[ident["impl"]])
             else:
                 ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, bool(comp), flops,
-                                                              fused=fused))
+                                                              fused=fused, **({"lever": lever} if lever else {})))
         for kind in p.get("graphs") or []:  # the whole step as one CUDA graph (ssl/graphs.py)
             if str(kind) not in ("eager", "compile"):
                 raise ValueError(f"bench graphs: {kind!r} is not eager or compile")
-            ident = {"model": model, "strategy": strategy, "impl": ours(f"{kind}+graphs", fused), "batch": batch}
+            if lever in INDUCTOR_MODES and str(kind) != "compile":
+                continue
+            ident = {"model": model, "strategy": strategy, "impl": ours(f"{prefix}{kind}+graphs", fused), "batch": batch}
             ctx.attempt("dino", ident, lambda: _dino_ours(ctx, model, strategy, batch, str(kind) == "compile",
-                                                          flops, graphs=True, fused=fused))
+                                                          flops, graphs=True, fused=fused,
+                                                          **({"lever": lever} if lever else {})))
     if p.reference:
         ident = {"model": model, "strategy": strategy, "impl": "reference", "batch": batch}
         # timed with the eager lines when those ran in this process (not taken from an earlier run)
@@ -251,10 +302,11 @@ def _largest_batch(ctx, model: str, strategy: str) -> dict:
     return {"batch": fits, "tried": tried, "stop": stop, "crops": plan.label()}
 
 
-def _step_inputs(ctx, model, strategy, batch: int, fused: bool = False):
+def _step_inputs(ctx, model, strategy, batch: int, fused: bool = False, lever: str | None = None):
     """(config, crop plan, synthetic crops on the device) for one DINO step line."""
     from resmlp.data.crop_plan import crop_plan
-    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}", f"model.fused={str(fused).lower()}"])
+    cfg = dino_config(ctx.p, model, strategy, [f"batch_size={batch}", f"model.fused={str(fused).lower()}",
+                                                *lever_overrides(lever)])
     plan = crop_plan(cfg)
     return cfg, plan, synthetic_crops(plan, batch, ctx.device)
 
@@ -264,19 +316,24 @@ def _count_flops(cfg, dev, precision: str, crops, step=None) -> int:
     fused ones do the same math, but FlopCounterMode has no formula for the CPU's GELU
     epilogue (_addmm_activation)."""
     if step is None:
-        step = build_our_step(OmegaConf.merge(cfg, {"model": {"fused": False}}), dev, precision, False)
+        step = build_our_step(plain_blocks(cfg), dev, precision, False)
     return count_flops(lambda: call_step(step, crops))
 
 
-def _dino_together(ctx, model, strategy, batch, fused_list, flops, timed) -> dict:
-    """Ours eager (for each `fused` value) and the reference built side by side and timed
-    with alternating repeats (profile key `interleave`: on a shared CPU the ratios then
-    survive the other processes' load). All need memory at once: off in the gpu profile.
-    Returns {impl: fields} and leaves them in `timed` for the lines that follow."""
+def _dino_together(ctx, model, strategy, batch, fused_list, flops, timed, levers=()) -> dict:
+    """Ours eager (for each `fused` value and each lever line) and the reference built side
+    by side and timed with alternating repeats (profile key `interleave`: on a shared CPU the
+    ratios then survive the other processes' load). All need memory at once: off in the gpu
+    profile. Returns {impl: fields} and leaves them in `timed` for the lines that follow;
+    a lever line's `vs_fused` is its rate over the fused block's, timed with it."""
     p, dev = ctx.p, ctx.device
     cfg, plan, crops = _step_inputs(ctx, model, strategy, batch)
     steps = {ours("eager", f): build_our_step(OmegaConf.merge(cfg, {"model": {"fused": f}}), dev, p.precision, False)
              for f in fused_list}
+    levers = [line for line in levers if line not in INDUCTOR_MODES]
+    for line in levers:
+        lever_cfg = _step_inputs(ctx, model, strategy, batch, fused=True, lever=line)[0]
+        steps[ours(f"{line} eager", True)] = build_our_step(lever_cfg, dev, p.precision, False)
     ref, backbone = build_reference_step(cfg, dev, strategy)
     steps["reference"] = ref
     last = {}
@@ -295,20 +352,27 @@ def _dino_together(ctx, model, strategy, batch, fused_list, flops, timed) -> dic
         timed[name] = {"precision": p.precision, "loss": float(last[name]), **common,
                        **step_fields(times[name], batch, plan.n_crops, flops["flops"], ctx.peak_tflops, dev)}
     timed["reference"].update(precision="fp16+GradScaler" if dev.type == "cuda" else "fp32", backbone=backbone)
+    fused = timed.get(ours("eager", True))
+    for line in levers:
+        if fused:
+            lever = timed[ours(f"{line} eager", True)]
+            lever["vs_fused"] = lever["images_per_s"] / fused["images_per_s"]
     return timed
 
 
-def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False, fused: bool = False) -> dict:
+def _dino_ours(ctx, model, strategy, batch, comp, flops, graphs: bool = False, fused: bool = False,
+               lever: str | None = None) -> dict:
     p, dev = ctx.p, ctx.device
     if graphs and dev.type != "cuda":
         raise Skip("CUDA graphs need a GPU")
-    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch, fused=fused)
+    cfg, plan, crops = _step_inputs(ctx, model, strategy, batch, fused=fused, lever=lever)
     step = build_our_step(cfg, dev, p.precision, comp, graphs=graphs)
     extra = {}
     try:
-        if graphs:  # the warm-up calls and the capture, before the timing's own warm-up
-            extra["capture_s"] = _until_steady(step, crops, dev)
-        t, loss = time_step(step, crops, dev, p)
+        with inductor_mode(lever):  # the blocks compile at their first calls
+            if graphs:  # the warm-up calls and the capture, before the timing's own warm-up
+                extra["capture_s"] = _until_steady(step, crops, dev)
+            t, loss = time_step(step, crops, dev, p)
         mem = peak_memory_gb(dev)
         if graphs:
             extra["captures"] = step.graphed.captures

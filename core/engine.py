@@ -48,8 +48,11 @@ KILL_AT_ENV = "RESMLP_KILL_AT_ITERATION"
 # them that may change on resume (memory settings: the weights do not depend on them).
 RESUME_MUST_MATCH = ("command", "model", "data")
 # data.decode: where JPEGs are decoded (the same pixels up to a rounding step); data.preview:
-# only `run.sh data` reads it; model.fused: the same parameters and function (models/fused.py).
-RESUME_MAY_CHANGE = ("model.grad_checkpointing", "model.fused", "data.decode", "data.preview")
+# only `run.sh data` reads it; model.fused, model.token_major, model.kernels: the same
+# parameters and function (models/fused.py); model.residual_dtype: the same parameters, the
+# function to bf16 rounding.
+RESUME_MAY_CHANGE = ("model.grad_checkpointing", "model.fused", "model.token_major", "model.kernels",
+                     "model.residual_dtype", "data.decode", "data.preview")
 # What a command starts from: the key naming the weights it reads (run dir, checkpoint file
 # or timm:<name>). Its default run dir names them, and a run dir holding a run that started
 # from other weights is neither continued nor taken for this one. null (dino.init left out):

@@ -72,6 +72,7 @@ def fold_affine(model: ResMLP) -> ResMLP:
     last norm goes into the head. pooled_block_features refuses folded models.
     """
     folded = copy.deepcopy(model).eval()
+    folded.make_batch_major()  # the plain blocks below take (B, N, D) tokens
     for blk in folded.blocks:
         if isinstance(blk, FusedResMLPBlock):
             # the same parameters under the plain forward: here the folding is done once, for good

@@ -35,6 +35,26 @@ GEMM epilogues, where torch has an exact one and a pass is saved:
 Drop path draws its masks as timm's DropPath does (one bernoulli_ per branch on a (B, 1, 1)
 tensor of the branch's dtype, in the same order), so a fused and a plain block give the
 same result from the same generator state.
+
+Token-major layout (`block.token_major`, the model's `token_major`): tokens arrive as
+(N, B, D), so the cross-patch linear is one GEMM over every image, A @ X.view(N, B*D),
+and its backward two (A^T dP, dP X^T), where the (B, N, D) layout makes matmul copy X
+to (B*D, N) and back. c broadcasts over B, the drop-path masks over N and D (the same
+draws, viewed (1, B, 1)); the channel MLP acts per token and takes either layout. The
+cross-patch MLP and conv ablations work on (B, N, D) and see a transposed view.
+
+Triton kernels (`block.kernels == 'triton'`, models/kernels/): the linear cross-patch, its
+scale s, bias c, drop-path mask and residual add in one kernel, whose backward also sums
+ds, dc and dA; fc1 with the exact GELU in its epilogue and fc2's input gradient with
+GELU's derivative and fc1's bias gradient in its own. The folded weights are computed here
+as on the torch path, so autograd carries the kernels' gradients back to the parameters.
+
+bf16 residual stream (`block.residual_dtype == 'bf16'`, under autocast only): the block's
+input, its first half's output and its output are bfloat16, where the plain block's type
+promotion (fp32 parameters c, s, ls2) makes them float32 and the GEMMs read a bf16 copy.
+s, c, the second branch and the masks (drawn as before) are cast to bf16 before the adds,
+so that the stream's reads and writes, and their gradients', are half the bytes; with the
+stream in the GEMMs' dtype, fc2's addmm carries the residual again (the teacher's path).
 """
 from __future__ import annotations
 
@@ -45,15 +65,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DropPath
 
+from resmlp.models import kernels
+
 
 def _drop_prob(block: nn.Module) -> float:
     dp = block.drop_path
     return dp.drop_prob if isinstance(dp, DropPath) and dp.training else 0.0
 
 
+def _token_major(block: nn.Module) -> bool:
+    return getattr(block, 'token_major', False)
+
+
+def _batch_size(block: nn.Module, x: torch.Tensor) -> int:
+    return x.shape[1] if _token_major(block) else x.shape[0]
+
+
 def _drop_mask(block: nn.Module, batch: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
     """timm's drop_path mask for a branch of `dtype` (None when it draws none): the same
-    generator call, so the same samples are dropped."""
+    generator call, so the same samples are dropped; shaped to broadcast over the block's layout."""
     p = _drop_prob(block)
     if p == 0.0:
         return None
@@ -61,7 +91,7 @@ def _drop_mask(block: nn.Module, batch: int, dtype: torch.dtype, device: torch.d
     mask = torch.empty((batch, 1, 1), dtype=dtype, device=device).bernoulli_(keep)
     if keep > 0.0 and block.drop_path.scale_by_keep:
         mask.div_(keep)
-    return mask
+    return mask.view(1, batch, 1) if _token_major(block) else mask
 
 
 def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,31 +108,67 @@ def _normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _triton(block: nn.Module):
+    """The Triton operators' module where the block runs them (model.kernels=triton), else None."""
+    return kernels.load() if getattr(block, 'kernels', 'torch') == 'triton' else None
+
+
+def _gemm_dtype(weight: torch.Tensor, x: torch.Tensor) -> torch.dtype:
+    """The dtype of a torch GEMM's output on these operands: autocast's where it is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(weight.dtype, x.dtype)
+
+
 def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad)
-    if x.device.type == 'cpu' and not needs_grad:
+    if x.device.type == 'cpu' and not needs_grad and x.dtype == weight.dtype:  # (a bf16 stream: autocast's linear)
         out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.gelu(F.linear(x, weight, bias))
 
 
-def _cross_patch_half(block: nn.Module, x: torch.Tensor, grid, carried: Optional[torch.Tensor]) -> torch.Tensor:
-    """Z = X + drop(ls1 * cross_patch(norm1(X))), plus `carried` (D) when given (linear only)."""
+def _stream_dtype(block: nn.Module, x: torch.Tensor) -> Optional[torch.dtype]:
+    """bfloat16 where the block keeps its residual stream in it (model.residual_dtype=bf16,
+    under autocast); None: the plain block's type promotion (float32 under autocast)."""
+    if getattr(block, 'residual_dtype', 'fp32') == 'bf16' and torch.is_autocast_enabled(x.device.type):
+        return torch.bfloat16
+    return None
+
+
+def _as(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def _cross_patch_half(block: nn.Module, x: torch.Tensor, grid, carried: Optional[torch.Tensor],
+                      stream: Optional[torch.dtype]) -> torch.Tensor:
+    """Z = X + drop(ls1 * cross_patch(norm1(X))), plus `carried` (D) when given (linear only);
+    stream: the residual stream's dtype where it is not the promoted one (_stream_dtype)."""
     cp, ls1 = block.cross_patch, block.ls1
+    batch, token_major = _batch_size(block, x), _token_major(block)
     if not hasattr(cp, 'weights_for'):  # MLP / conv variants: norm1 stays
-        y = cp(block.norm1(x), grid)
-        mask = _drop_mask(block, x.shape[0], torch.promote_types(y.dtype, ls1.dtype), x.device)
-        return torch.addcmul(x, y, ls1 if mask is None else ls1 * mask)
+        u = block.norm1(x)
+        y = cp(u.transpose(0, 1), grid).transpose(0, 1) if token_major else cp(u, grid)
+        mask = _drop_mask(block, batch, torch.promote_types(y.dtype, ls1.dtype), x.device)
+        return torch.addcmul(x, _as(y, stream), _as(ls1 if mask is None else ls1 * mask, stream))
     a, a_bias = cp.weights_for(grid)
     alpha, beta = _affine_of(block.norm1)
-    p = torch.matmul(a, _normalize(block.norm1, x))
+    u = _normalize(block.norm1, x)
     # elementwise products, not torch.outer: autocast would round these to bf16
     c = a.sum(dim=1, keepdim=True) * (ls1 * beta) + a_bias.unsqueeze(1) * ls1
     if carried is not None:
         c = c + carried
-    t = torch.addcmul(c, p, ls1 * alpha)
-    mask = _drop_mask(block, x.shape[0], torch.promote_types(p.dtype, ls1.dtype), x.device)
-    return x + t if mask is None else torch.addcmul(x, t, mask)
+    ops = _triton(block)
+    if ops is not None:  # the GEMM, its epilogue and the residual add in one kernel
+        mask = _drop_mask(block, batch, torch.promote_types(_gemm_dtype(a, u), ls1.dtype), x.device)
+        u = u if isinstance(block.norm1, nn.LayerNorm) else None
+        return ops.cross_patch_residual(a, x, u, _as(ls1 * alpha, stream), c, mask, token_major)
+    p = torch.mm(a, u.reshape(u.shape[0], -1)).view(u.shape) if token_major else torch.matmul(a, u)
+    if token_major:
+        c = c.unsqueeze(1)  # (N, 1, D): the same for every image
+    t = torch.addcmul(_as(c, stream), _as(p, stream), _as(ls1 * alpha, stream))
+    mask = _drop_mask(block, batch, torch.promote_types(p.dtype, ls1.dtype), x.device)
+    return x + t if mask is None else torch.addcmul(x, t, _as(mask, stream))
 
 
 def fused_block_forward(block: nn.Module, x: torch.Tensor, grid) -> torch.Tensor:
@@ -110,19 +176,28 @@ def fused_block_forward(block: nn.Module, x: torch.Tensor, grid) -> torch.Tensor
     fc1, fc2, ls2 = block.mlp.fc1, block.mlp.fc2, block.ls2
     alpha2, beta2 = _affine_of(block.norm2)
     w2, b2 = fc2.weight * ls2.unsqueeze(1), fc2.bias * ls2
-    carry = (_drop_prob(block) == 0.0 and not torch.is_autocast_enabled(x.device.type)
+    ops, stream = _triton(block), _stream_dtype(block, x)
+    x = _as(x, stream)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    # the residual rides in fc2's addmm where it has the GEMM's dtype
+    same_dtype = not autocast or stream == torch.get_autocast_dtype(x.device.type)
+    carry = (ops is None and _drop_prob(block) == 0.0 and same_dtype
              and not isinstance(block.norm2, nn.LayerNorm) and hasattr(block.cross_patch, 'weights_for'))
-    z = x if block.cross_patch is None else _cross_patch_half(block, x, grid, b2 if carry else None)
+    z = x if block.cross_patch is None else _cross_patch_half(block, x, grid, b2 if carry else None, stream)
     if carry:  # z holds Z + b2: Aff2(Z) = alpha2 * z + (beta2 - alpha2 * b2)
         beta2 = beta2 - alpha2 * b2
     w1 = fc1.weight * alpha2
     b1 = fc1.bias + (fc1.weight * beta2).sum(dim=1)
-    h = _linear_gelu(_normalize(block.norm2, z), w1, b1)
-    if carry:
-        return torch.addmm(z.reshape(-1, z.shape[-1]), h.reshape(-1, h.shape[-1]), w2.t()).view_as(z)
-    g = F.linear(h, w2, b2)
-    mask = _drop_mask(block, x.shape[0], torch.promote_types(g.dtype, ls2.dtype), x.device)
-    return z + g if mask is None else torch.addcmul(z, g, mask)
+    if ops is not None:  # GELU and its derivative in the GEMMs' epilogues
+        g = ops.gelu_mlp_forward(_normalize(block.norm2, z), w1, b1, w2, b2)
+    else:
+        h = _linear_gelu(_normalize(block.norm2, z), w1, b1)
+        if carry:
+            return torch.addmm(z.reshape(-1, z.shape[-1]), h.reshape(-1, h.shape[-1]), w2.t()).view_as(z)
+        g = F.linear(h, w2, b2)
+    mask = _drop_mask(block, _batch_size(block, x), torch.promote_types(g.dtype, ls2.dtype), x.device)
+    g = _as(g, stream)
+    return z + g if mask is None else torch.addcmul(z, g, _as(mask, stream))
 
 
 def describe(block: nn.Module) -> str:
@@ -134,4 +209,7 @@ def describe(block: nn.Module) -> str:
         parts.append(f'{aff1} + ls1 through the cross-patch linear')
     elif block.cross_patch is not None:
         parts.append('norm1 kept, ls1 + residual in one addcmul')
-    return 'fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
+    return ('fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
+            + ('; tokens (N, B, D)' if _token_major(block) else '')
+            + ('; Triton kernels' if getattr(block, 'kernels', 'torch') == 'triton' else '')
+            + ('; bf16 residual stream under autocast' if getattr(block, 'residual_dtype', 'fp32') == 'bf16' else ''))

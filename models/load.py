@@ -148,6 +148,7 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     not fix it (conv / no cross-patch variants with average pooling).
     """
     from resmlp.models import OVERRIDE_KEYS
+    from resmlp.models.resmlp import FUSED_OPTIONS
 
     w = sd.get("patch_embed.proj.weight")
     if w is None or w.dim() != 4:
@@ -155,7 +156,8 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     cfgm = dict(config_model or {})
     arch = {k: cfgm[k] for k in OVERRIDE_KEYS if k in cfgm and cfgm[k] is not None}
     arch.pop("drop_path_rate", None)   # training-only; eval mode ignores it anyway
-    arch.pop("fused", None)            # training-only: the same weights and function either way
+    for key in ("fused", *FUSED_OPTIONS):  # training-only: the same weights and function either way
+        arch.pop(key, None)
     arch.pop("num_classes", None)
     dim, in_chans, p = int(w.shape[0]), int(w.shape[1]), int(w.shape[2])
     blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
@@ -554,6 +556,8 @@ def load_classifier(spec: WeightsSpec | str | os.PathLike, architecture: str | N
     state_dict with `architecture` naming a timm or ResMLP model."""
     from omegaconf import OmegaConf
 
+    from resmlp.models.resmlp import FUSED_OPTIONS
+
     spec = WeightsSpec.parse(spec)
     path = spec.file
     obj = load_checkpoint(path)
@@ -562,8 +566,8 @@ def load_classifier(spec: WeightsSpec | str | os.PathLike, architecture: str | N
                         f"(bash run.sh finetune {spec}) and pass that run as the teacher")
     sd, info = unwrap(obj, "teacher", str(path))
     sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    if info["config"] and "model" in info["config"]:
-        model_cfg = OmegaConf.create(info["config"]["model"])
+    if info["config"] and "model" in info["config"]:  # as it was trained, but how its blocks ran there
+        model_cfg = OmegaConf.create({k: v for k, v in info["config"]["model"].items() if k not in FUSED_OPTIONS})
     elif architecture:
         model_cfg = OmegaConf.create({"name": architecture})
     else:

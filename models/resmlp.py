@@ -14,10 +14,13 @@ Layout of one block on tokens X of shape (B, N, D), N = h * w patches:
 
 Everything here keeps tokens as (B, N, D) with the (h, w) patch grid passed alongside,
 so that the cross-patch layer can be adapted to an input whose grid differs from the
-one it was built for (DINO's 96 px local crops: 6x6 patches for a 14x14 model).
+one it was built for (DINO's 96 px local crops: 6x6 patches for a 14x14 model). The fused
+blocks may instead keep them token-major, (N, B, D) (`token_major=True`, fused.py): the
+patch embedding writes that layout and the model's outputs are (B, N, D) views of it.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Mapping, Optional, Sequence
@@ -29,6 +32,7 @@ from timm.layers import DropPath, trunc_normal_
 from timm.models import register_model
 from torch.utils.checkpoint import checkpoint
 
+from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.models import fused
 
@@ -84,11 +88,14 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 
 
 class PatchEmbed(nn.Module):
-    """Non-overlapping patches -> linear projection (a conv with kernel = stride = patch)."""
+    """Non-overlapping patches -> linear projection (a conv with kernel = stride = patch).
+    Tokens (B, N, D), or (N, B, D) with token_major: the same one copy out of the conv's
+    (B, D, h, w) either way."""
 
-    def __init__(self, patch_size: int, in_chans: int, dim: int):
+    def __init__(self, patch_size: int, in_chans: int, dim: int, token_major: bool = False):
         super().__init__()
         self.patch_size = patch_size
+        self.token_major = token_major
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
 
     def grid_for(self, height: int, width: int) -> Grid:
@@ -103,7 +110,9 @@ class PatchEmbed(nn.Module):
         grid = self.grid_for(x.shape[-2], x.shape[-1])
         # contiguous: every block then gets tokens of one memory layout, so one compiled
         # block serves the whole depth (core/compiling.py; a layout is part of its guards)
-        return self.proj(x).flatten(2).transpose(1, 2).contiguous(), grid
+        tokens = self.proj(x).flatten(2)
+        tokens = tokens.permute(2, 0, 1) if self.token_major else tokens.transpose(1, 2)
+        return tokens.contiguous(), grid
 
 
 class ChannelMLP(nn.Module):
@@ -309,7 +318,17 @@ class FusedResMLPBlock(ResMLPBlock):
     """ResMLPBlock with the same parameters and state-dict keys, whose forward folds the
     Affs and LayerScales into the neighbouring weights on every call (models/fused.py has
     the algebra): the same function with fewer passes over the activations, for training.
+    token_major: its tokens are (N, B, D) rather than (B, N, D) (the model sets it).
+    kernels: 'torch', or 'triton' for the kernels of models/kernels/ (a CUDA GPU's).
+    residual_dtype: 'fp32', or 'bf16' for a bfloat16 residual stream under autocast.
     """
+
+    def __init__(self, *args, token_major: bool = False, kernels: str = 'torch', residual_dtype: str = 'fp32',
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token_major = token_major
+        self.kernels = kernels
+        self.residual_dtype = residual_dtype
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         return fused.fused_block_forward(self, x, grid)
@@ -408,13 +427,21 @@ class ResMLP(nn.Module):
       any grid; the MLP variant none but its own.
     fused=True builds FusedResMLPBlocks: the same parameters and function, Aff and
       LayerScale folded into the neighbouring weights on every forward (models/fused.py).
+    token_major=True (fused only) keeps the residual stream as (N, B, D) from the patch
+      embedding to the final norm, so that the cross-patch linear is one GEMM over all
+      images with no transposes; forward_features then returns a (B, N, D) view of it.
+    kernels='triton' (fused only) runs the fused blocks' cross-patch and channel MLP in the
+      Triton kernels of models/kernels/ (CUDA; the CPU only under Triton's interpreter).
+    residual_dtype='bf16' (fused only) keeps the blocks' residual stream in bfloat16 under
+      autocast (float32 otherwise, as the plain blocks' type promotion makes it).
     """
 
     def __init__(self, img_size: int | Sequence[int] = 224, patch_size: int = 16, in_chans: int = 3,
                  num_classes: int = 1000, dim: int = 384, depth: int = 12, mlp_ratio: float = 4.0,
                  init_values: float = 0.1, drop_path_rate: float = 0.0, pooling: str = 'avg',
                  norm: str = 'affine', cross_patch: str = 'linear', grid_adapt: str = 'none',
-                 fused: bool = False):
+                 fused: bool = False, token_major: bool = False, kernels: str = 'torch',
+                 residual_dtype: str = 'fp32'):
         super().__init__()
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.img_size = img_size
@@ -428,13 +455,23 @@ class ResMLP(nn.Module):
         self.grad_checkpointing = False
         self.folded = False
         self.fused = bool(fused)
+        if token_major and not fused:
+            raise UserError('model.token_major=true needs model.fused=true (the plain blocks are batch-major)')
+        check_choice('model.kernels', kernels)
+        if kernels != 'torch' and not fused:
+            raise UserError(f'model.kernels={kernels} needs model.fused=true (the kernels are the fused block\'s)')
+        check_choice('model.residual_dtype', residual_dtype)
+        if residual_dtype != 'fp32' and not fused:
+            raise UserError(f'model.residual_dtype={residual_dtype} needs model.fused=true (the plain blocks '
+                            'keep the stream in float32)')
 
-        self.patch_embed = PatchEmbed(patch_size, in_chans, dim)
+        self.patch_embed = PatchEmbed(patch_size, in_chans, dim, bool(token_major))
         grid = self.patch_embed.grid_for(*img_size)
         self._grid = grid
         # Constant stochastic depth over blocks, as in the official ResMLP and timm code
         # (DINO's ViT ramps it linearly; ResMLP never did).
-        block = FusedResMLPBlock if fused else ResMLPBlock
+        block = (functools.partial(FusedResMLPBlock, token_major=bool(token_major), kernels=kernels,
+                                   residual_dtype=residual_dtype) if fused else ResMLPBlock)
         self.blocks = nn.ModuleList(
             block(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
             for _ in range(depth))
@@ -475,6 +512,22 @@ class ResMLP(nn.Module):
         for m in self.modules():
             if getattr(m, 'supports_grid_adapt', False):
                 m.grid_adapt = mode
+
+    @property
+    def token_major(self) -> bool:
+        """Whether the blocks' tokens are (N, B, D): set by the patch embedding's layout."""
+        return self.patch_embed.token_major
+
+    def make_batch_major(self) -> None:
+        """Tokens (B, N, D) from here on, for blocks that take only that layout (fold_affine's)."""
+        self.patch_embed.token_major = False
+        for blk in self.blocks:
+            if isinstance(blk, FusedResMLPBlock):
+                blk.token_major = False
+
+    def _batch_major(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' tokens as (B, N, D): a view, no copy, of token-major ones."""
+        return x.transpose(0, 1) if self.token_major else x
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
@@ -525,7 +578,9 @@ class ResMLP(nn.Module):
         """
         x, grid = self.patch_embed(x)
         x, _ = self._run_blocks(x, grid)
-        return self.norm(x)
+        # the norm is per channel: on token-major tokens it runs before the view, which the
+        # pooling then reads in place (a mean over N reads either layout)
+        return self._batch_major(self.norm(x))
 
     def _grid_of_tokens(self, n: int) -> Grid:
         if n == self.num_patches:
@@ -567,7 +622,7 @@ class ResMLP(nn.Module):
                              'use the unfolded model')
         x, grid = self.patch_embed(x)
         _, kept = self._run_blocks(x, grid, keep_last=n)
-        return [self.norm(t).mean(dim=1) for t in kept]
+        return [self._batch_major(self.norm(t)).mean(dim=1) for t in kept]
 
 
 # ---------------------------------------------------------------------------------------
@@ -587,8 +642,12 @@ _INT_KEYS = ('patch_size', 'in_chans', 'num_classes', 'dim', 'depth')
 _FLOAT_KEYS = ('drop_path_rate', 'init_values', 'mlp_ratio')
 _CHOICE_KEYS = {'pooling': POOLINGS, 'norm': NORMS, 'cross_patch': CROSS_PATCHES,
                 'grid_adapt': GRID_ADAPTS}
-_BOOL_KEYS = ('fused',)
-OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS
+_CONFIG_CHOICE_KEYS = ('kernels', 'residual_dtype')  # their words are their limits: entries in configs/ (check_choice)
+# How the fused blocks run, not what they compute: the same weights either way, and a model
+# built from saved weights for evaluation takes none of them (models/load.py).
+FUSED_OPTIONS = ('token_major', 'kernels', 'residual_dtype')
+_BOOL_KEYS = ('fused', 'token_major')
+OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS + _CONFIG_CHOICE_KEYS
 
 
 def _as_int(key: str, v) -> int:
@@ -632,9 +691,9 @@ def _check_overrides(overrides: Mapping) -> dict:
         elif key in _BOOL_KEYS:
             if not isinstance(v, bool):
                 raise UserError(f'model.{key} must be true or false, got {v!r}')
-        else:
+        elif key in _CHOICE_KEYS:
             v = _check_choice(f'model.{key}', v, _CHOICE_KEYS[key])
-        out[key] = v
+        out[key] = v  # a _CONFIG_CHOICE_KEYS value: ResMLP checks it
     return out
 
 
