@@ -399,7 +399,7 @@ def bench(cfg) -> dict:
         raise UserError(f"the bench measures the ResMLP presets ({', '.join(list_models())}), not {bad}")
     out_dir = results_dir(cfg)
     torch.manual_seed(int(cfg.seed))
-    # As the trainer (core.engine.Run) and DINO's main_dino.py do, for ours and the reference alike.
+    # As the trainer (core.run.Run) and DINO's main_dino.py do, for ours and the reference alike.
     torch.backends.cudnn.benchmark = device.type == "cuda"
     old_threads = torch.get_num_threads()
     if p.get("threads"):

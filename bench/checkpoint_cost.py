@@ -4,7 +4,7 @@
 Builds the step the trainer builds (student, teacher, head, AdamW) for `dino resmlp_s12`
 with the overrides (default: the Fashion-MNIST preset), runs one step at a small batch so
 that AdamW holds its two moments, then writes the checkpoint as the trainer does
-(core.engine.Run.save: core.checkpoint.save_checkpoint, atomic with fsync, the one before
+(core.run.Run.save: core.checkpoint.save_checkpoint, atomic with fsync, the one before
 kept as checkpoint_prev.pth) N times into D (default: a temp dir under runs/), and prints
 its size and the seconds of each write. The figure is this machine's disk and CPU: on a
 GPU the weights come from the device first (not timed here), and another disk writes at

@@ -35,7 +35,7 @@ class Command:
     method: str = ""
 
 
-RUN_DIR = "resmlp.core.engine:run_dir"
+RUN_DIR = "resmlp.core.run_folder:run_dir"
 # What the evaluators take from their checkpoint rather than from these keys.
 FROM_CHECKPOINT = {"model": "its network is the checkpoint's, built from the weights"}
 NO_KNN = {"knn": "it runs no k-NN"}

@@ -123,7 +123,7 @@ def cache_folder(cfg, run_dir) -> Path:
 
 def differences(theirs: dict, ours: dict) -> list[str]:
     """'field: theirs -> ours' for every field of two keys that differs, nested ones dotted."""
-    from resmlp.core.engine import config_differences
+    from resmlp.core.run_folder import config_differences
     return config_differences(theirs, ours, keys=sorted(set(theirs) | set(ours)), skip=())
 
 
@@ -284,7 +284,7 @@ class _Off:
 def open_compile_cache(cfg, run, nets, graphs: bool = False, crops: str | None = None):
     """The trainers' hook, after the step is built and before its first iteration: the
     cache of this run's key, loaded (a CompileCache), or one that does nothing where `nets`
-    (the trained networks) are not compiled. `run`: the core.engine.Run."""
+    (the trained networks) are not compiled. `run`: the core.run.Run."""
     compiled = compiled_how(*nets)
     if compiled is None:
         return _Off()

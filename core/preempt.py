@@ -2,7 +2,7 @@
 training run at an iteration boundary with its state saved, instead of losing the work
 since the last checkpoint.
 
-The handler only sets a flag (`requested()`); the training loop's Cadence (core/engine.py)
+The handler only sets a flag (`requested()`); the training loop's Cadence (core/cadence.py)
 all-reduces it once per iteration, in the one host-side all-reduce that also carries its
 log-by-time check (and again after each checkpoint), so that every rank stops at the same
 iteration, even when the signal reached only some of them. Cadence then saves a

@@ -75,7 +75,7 @@ def submit(cfg, argv: list[str], main):
     """Submit `argv` (a command line of resmlp.core.cli) as a job that runs `main(argv)`
     (the CLI's entry, passed in: the CLI is the layer above) in each of its processes;
     print its id and where its logs go; return the submitit job."""
-    from resmlp.core.engine import run_dir
+    from resmlp.core.run_folder import run_dir
     from resmlp.core.lock import RunLock
     try:
         import submitit

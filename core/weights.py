@@ -119,7 +119,7 @@ class WeightsSpec:
 
     def identity(self) -> dict | None:
         """What these weights are, to tell whether a run that started from this spec started
-        from the same weights (core.engine: a run folder belongs to its inputs): timm's spec as
+        from the same weights (core.run_folder: a run folder belongs to its inputs): timm's spec as
         given for timm (the name is the weights); for a path, the checkpoint file read
         (`key`), its size and the sha256 of its bytes, so a file retrained or replaced in
         place is another input. None: no file there now (the loader names what is missing)."""

@@ -140,7 +140,7 @@ def _check(data_cfg, datasets: dict) -> None:
 
 def results_dir(cfg):
     """The run folder data.preview=N draws into; None without a preview (nothing is written)."""
-    from resmlp.core.engine import run_dir
+    from resmlp.core.run_folder import run_dir
     return run_dir(cfg) if cfg.data.get("preview", 0) else None
 
 

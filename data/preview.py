@@ -114,7 +114,7 @@ def grid(images: torch.Tensor, batch, crops: list[torch.Tensor], info: dict, mea
 def run_preview(cfg, n: int) -> dict:
     """Draw the DINO views of n training images and write crops.png and crops.json into
     the run folder; returns {'png', 'json', 'images', 'views'}."""
-    from resmlp.core.engine import run_dir
+    from resmlp.core.run_folder import run_dir
     from resmlp.data import build_dataset, train_split_for_ssl
     from resmlp.data.resumable import build_train_loader
     from resmlp.data.transforms import mean_std

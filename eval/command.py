@@ -1,4 +1,4 @@
-"""The runtime the knn / linear / viz commands share, as the trainers share core.engine.Run:
+"""The runtime the knn / linear / viz commands share, as the trainers share core.run.Run:
 joining (and always leaving) the process group, the backbone to evaluate, the features of
 a split, where results go, and the report they write.
 
@@ -62,8 +62,8 @@ def base_dir(cfg, info: dict) -> Path:
 def result_name(cfg) -> str:
     """The name of one evaluation's result: the labeled set (data.name, and the folder's
     name when data.root is set) and a hash of every setting that changes what it computes
-    (core.engine.RUNTIME_KEYS aside), e.g. imagefolder-labeled-1f3a9c0e."""
-    from resmlp.core.engine import settings_of
+    (core.run_folder.RUNTIME_KEYS aside), e.g. imagefolder-labeled-1f3a9c0e."""
+    from resmlp.core.run_folder import settings_of
     from resmlp.core.outdir import input_name
     digest = hashlib.sha256(json.dumps(settings_of(to_dict(cfg)), sort_keys=True, default=str).encode()).hexdigest()[:8]
     root = f"-{input_name(cfg.data.root)}" if cfg.data.get("root") else ""

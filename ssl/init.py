@@ -11,7 +11,7 @@ defaults are what they are: configs/method/dino.yaml.
 
 `continuing(cfg, run)` runs before any work. dino.init on a run dir that holds the state of
 a run started otherwise (resume and dino.init would mean two different starts) is refused
-by `Run(cfg)` before it (core.engine.INPUT_KEYS); this refuses, in one line each: weights
+by `Run(cfg)` before it (core.run_folder.INPUT_KEYS); this refuses, in one line each: weights
 that do not fit the model, timm weights that cannot be had offline, a head that does not
 fit dino's head sizes, and a warm-up that leaves the backbone no epoch. A run started from
 dino.init and resumed (a requeue, the same command again) continues from its own
@@ -89,7 +89,7 @@ def continuing(cfg, run, hooks=None) -> Start | None:
     module docstring. Sets dino.init and dino.init_head in `cfg` to what config.yaml keeps."""
     d = cfg.dino
     saved = _saved_dino(run)
-    if saved is not None:  # Run() has refused another dino.init (core.engine.INPUT_KEYS)
+    if saved is not None:  # Run() has refused another dino.init (core.run_folder.INPUT_KEYS)
         was = saved.get("init")
         if was is None:
             return None

@@ -11,7 +11,7 @@ groups learn at `lr_scale` times the schedule's rate.
 
 The step never waits for the device: nothing in it reads a tensor's value on the host.
 The loss, the teacher's health statistics and the non-finite flag accumulate on the
-device (`DinoStep.tally`, a core.engine.DeviceTally); the trainer reads them only when it
+device (`DinoStep.tally`, a core.cadence.DeviceTally); the trainer reads them only when it
 logs or saves, so the host can queue the next iterations while the device works. A
 non-finite loss is therefore noticed at the next read, not at once: the weights may turn
 non-finite in between, which is why every checkpoint is preceded by a read and the run
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from resmlp.core.engine import DeviceTally
+from resmlp.core.cadence import DeviceTally
 from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 from resmlp.ssl.clip import clip_per_parameter

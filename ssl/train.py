@@ -5,15 +5,17 @@ schedules -> resume -> the loop -> k-NN of the teacher. The pieces have a file e
 this folder (networks, head, loss, ema, step, health; init: continuing from weights); the
 crop plan is data's (resmlp.data.crop_plan); the k-NN that judges the teacher, at init,
 during and after training, is eval's (resmlp.eval.judge), called at the loop's sync points;
-what every trainer shares (process group, run dir, checkpoints, logs, cadence) lives in
-resmlp.core.engine.
+what every trainer shares lives in core/: the process group, run dir, checkpoints and logs
+in resmlp.core.run, the loop's cadence in resmlp.core.cadence.
 """
 from __future__ import annotations
 
 import torch
 
 from resmlp.core.compile_cache import open_compile_cache
-from resmlp.core.engine import Cadence, Run, command, progress, run_dir
+from resmlp.core.cadence import Cadence
+from resmlp.core.run import Run, command, progress
+from resmlp.core.run_folder import run_dir
 from resmlp.data import build_dataset, train_split_for_ssl
 from resmlp.data.crop_plan import build_views, crop_plan
 from resmlp.data.datasets import fit_demo_subset

@@ -204,6 +204,6 @@ def hooks() -> DinoHooks:
 
 if __name__ == "__main__":
     from resmlp.core.cli import main
-    from resmlp.core.engine import command
+    from resmlp.core.run import command
     from resmlp.ssl.train import train
     sys.exit(main(["dino", "resmlp_s12", *sys.argv[1:]], run=command(partial(train, hooks=hooks()))))

@@ -16,7 +16,7 @@ dir (cfg.out, else runs/compare_<model>_<data>/):
     finetune/     dino/'s teacher fine-tuned with labels      -> top-1 / top-5
 
 A finished run is reused, not trained again: results.json present and its config.yaml
-equal to the config this compare would give it (core.engine.settings_differences: run-time
+equal to the config this compare would give it (core.run_folder.settings_differences: run-time
 keys such as num_workers or out aside). A finished run with other settings is refused as
 the trainers refuse one, naming the first difference and a compare dir beside this one;
 an unfinished one (checkpoint, no results.json) is resumed. The budgets (epochs per
@@ -37,9 +37,10 @@ from omegaconf import OmegaConf
 from resmlp.core import dist
 from resmlp.core.checkpoint import load_checkpoint
 from resmlp.core.config import load_config, save_config, to_dict
-from resmlp.core.engine import (INPUT_KEYS, command, default_run_name, input_changed, other_run, record_inputs,
-                                settings_differences)
 from resmlp.core.errors import UserError
+from resmlp.core.run import command
+from resmlp.core.run_folder import (INPUT_KEYS, default_run_name, input_changed, other_run, record_inputs,
+                                    settings_differences)
 from resmlp.core.weights import ANY, WeightsSpec, names_timm
 from resmlp.data.datasets import fit_demo_subset
 
@@ -65,7 +66,7 @@ class Step:
 
 def compare_dir(cfg) -> Path:
     """out=, else runs/compare_<model>_<data>, with _from_<teacher> when compare.teacher names
-    weights rather than a model trained here (core.engine.default_run_name)."""
+    weights rather than a model trained here (core.run_folder.default_run_name)."""
     if cfg.out:
         return Path(cfg.out).expanduser()
     teacher = None if teacher_is_trained_here(cfg) else str(cfg.compare.teacher)
@@ -172,7 +173,7 @@ def run_step(step: Step, sub_cfg) -> dict:
         from resmlp.ssl import train as ssl_train
         return ssl_train.train(sub_cfg)[3]
     if step.command == "linear":
-        from resmlp.core.engine import device_name
+        from resmlp.core.run import device_name
         from resmlp.eval import linear as eval_linear
         t0 = time.time()
         eval_linear.run(sub_cfg)

@@ -5,7 +5,7 @@ resmlp.ssl.step.build_dino_step):
     frozen teacher's logits too) -> backward -> global-norm clipping -> optimizer -> model EMA
 
 The step never waits for the device: the loss accumulates on the device
-(`SupervisedStep.tally`, a core.engine.DeviceTally) and the trainer reads it only when it
+(`SupervisedStep.tally`, a core.cadence.DeviceTally) and the trainer reads it only when it
 logs or saves. The recipe's parts are timm's (Mixup, the soft-target and label-smoothing
 losses, create_optimizer_v2, ModelEmaV3); the parameter groups are core.optim's, split
 per layer for fine-tuning's layer-wise lr decay.
@@ -24,7 +24,7 @@ from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 
 from resmlp.core.compiling import StepPath, compile_as, compile_form
-from resmlp.core.engine import DeviceTally
+from resmlp.core.cadence import DeviceTally
 from resmlp.core.errors import UserError
 from resmlp.core.optim import no_weight_decay, param_groups
 from resmlp.supervised.distill import distillation_loss

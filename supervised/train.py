@@ -21,7 +21,8 @@ from timm.data import create_transform
 from resmlp.core import dist
 from resmlp.core.compile_cache import open_compile_cache
 from resmlp.core.compiling import uncompiled
-from resmlp.core.engine import Cadence, Run, command, progress
+from resmlp.core.cadence import Cadence
+from resmlp.core.run import Run, command, progress
 from resmlp.core.errors import UserError
 from resmlp.core.optim import scaled_lr
 from resmlp.core.schedules import cosine_schedule

@@ -735,17 +735,19 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
     seconds (made 100 here by a clock the write moves) are summed apart and the one a run
     goes on after is in train_s, as a user waits for it."""
     from resmlp.bench.jpegs import make_jpeg_folder
-    from resmlp.core import engine
+    from resmlp.core import cadence, run as run_module
     from resmlp.ssl.train import train
     make_jpeg_folder(str(tmp_path / "images"), 32, 36, 48)
     offset = [0.0]
-    monkeypatch.setattr(engine, "time", types.SimpleNamespace(time=lambda: time.time() + offset[0], monotonic=time.monotonic))
-    real = engine.save_checkpoint
+    clock = types.SimpleNamespace(time=lambda: time.time() + offset[0], monotonic=time.monotonic)
+    for module in (run_module, cadence):  # Run's clock (wall_time_s) and the loop's (timing)
+        monkeypatch.setattr(module, "time", clock)
+    real = run_module.save_checkpoint
 
     def slow_save(*args, **kwargs):
         offset[0] += 100.0
         return real(*args, **kwargs)
-    monkeypatch.setattr(engine, "save_checkpoint", slow_save)
+    monkeypatch.setattr(run_module, "save_checkpoint", slow_save)
     tiny = load_campaign(TINY).campaign.tiny.preset
     cfg = load_config("dino", "resmlp_s12", [*tiny, "data=imagefolder", f"data.root={tmp_path / 'images'}",
                                              f"out={tmp_path / 'run'}", "epochs=3", "eval_every=0", "ckpt_epochs=2"])
@@ -860,20 +862,20 @@ def test_a_stop_at_an_epochs_last_iteration_still_evaluates_that_epoch(tmp_path,
     """A cut that lands on an epoch's last iteration must not lose that epoch's k-NN
     point: the run stops at the epoch-end checkpoint, after the evaluation."""
     from resmlp.bench.jpegs import make_jpeg_folder
-    from resmlp.core import engine, preempt
+    from resmlp.core import cadence, preempt
     from resmlp.core.errors import Preempted
     from resmlp.ssl.train import train
     make_jpeg_folder(str(tmp_path / "images"), 48, 36, 48)
     tiny = load_campaign(TINY).campaign.tiny.preset
     cfg = load_config("dino", "resmlp_s12", [*tiny, "data=imagefolder", f"data.root={tmp_path / 'images'}",
                                              f"out={tmp_path / 'run'}", "ckpt_epochs=2"])
-    real = engine.Cadence.after_iteration
+    real = cadence.Cadence.after_iteration
 
     def signal_at_epoch_end(self, it):
         if it == self.ipe:
             signal.raise_signal(signal.SIGTERM)  # what a scheduler sends; preempt's handler notes it
         real(self, it)
-    monkeypatch.setattr(engine.Cadence, "after_iteration", signal_at_epoch_end)
+    monkeypatch.setattr(cadence.Cadence, "after_iteration", signal_at_epoch_end)
     with preempt.watch(), pytest.raises(Preempted, match="after iteration 3 of 6"):  # watch: as the CLI runs it
         train(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]

@@ -91,9 +91,9 @@ def free_port() -> int:
 # (the tiny run's loop ends moments after its first log line: a test process scheduled a
 # little late saw the run end unstopped).
 SLOW_STEPS = ("import sys, time\n"
-              "from resmlp.core import engine\n"
-              "real = engine.Cadence.after_iteration\n"
-              "engine.Cadence.after_iteration = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
+              "from resmlp.core import cadence\n"
+              "real = cadence.Cadence.after_iteration\n"
+              "cadence.Cadence.after_iteration = lambda self, *a, **k: time.sleep(2.5) or real(self, *a, **k)\n"
               "from resmlp.core.cli import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
 
@@ -230,7 +230,7 @@ def _agreeing_loop(rank: int, out_dir: str, signal_before: int = 0, signal_in_sa
     from omegaconf import OmegaConf
 
     from resmlp.core import dist, preempt
-    from resmlp.core.engine import Cadence
+    from resmlp.core.cadence import Cadence
     from resmlp.core.errors import Preempted
     at, asks, logged, saved = [0], {}, [], []
     real = tdist.all_reduce
@@ -556,7 +556,7 @@ def test_a_live_run_holds_its_directory(tmp_path):
 
 
 def test_a_dead_runs_lock_is_taken_over_with_a_warning(tmp_path, capsys):
-    from resmlp.core.engine import Run
+    from resmlp.core.run import Run
     from resmlp.core.lock import LOCK_NAME, this_process
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -585,7 +585,7 @@ def test_lock_of_another_host(tmp_path, monkeypatch):
 
 def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     from resmlp.core.checkpoint import rng_state
-    from resmlp.core.engine import Run
+    from resmlp.core.run import Run
     out = tmp_path / "run"
     run = Run(tiny_config(out))
     run.restore()

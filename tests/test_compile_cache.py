@@ -25,7 +25,8 @@ from resmlp.core.compile_cache import (CompileCache, cache_folder, cache_key, co
                                        open_compile_cache)
 from resmlp.core.compiling import compile_regions
 from resmlp.core.config import load_config
-from resmlp.core.engine import Run, run_dir
+from resmlp.core.run import Run
+from resmlp.core.run_folder import run_dir
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fmnist = pytest.mark.skipif(not FMNIST.exists(), reason="Debian's dataset-fashion-mnist is not installed")

@@ -11,9 +11,10 @@ import torch
 from resmlp.core import cli
 from resmlp.core.checkpoint import load_checkpoint, save_checkpoint
 from resmlp.core.config import load_config
-from resmlp.core.engine import Run, config_differences
 from resmlp.core.errors import UserError
 from resmlp.core.optim import param_groups
+from resmlp.core.run import Run
+from resmlp.core.run_folder import config_differences
 from resmlp.core.schedules import cosine_schedule, linear_warmup_then_constant
 
 ROOT = Path(__file__).resolve().parent.parent

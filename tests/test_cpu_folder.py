@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
-from resmlp.core.engine import Cadence
+from resmlp.core.cadence import Cadence
 from resmlp.eval import features
 from test_folder import labeled, photos
 

@@ -26,7 +26,9 @@ TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=32", "epochs=
 SYNCS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")
 # Code that runs on the training device's stream. The loader side (decode, collate)
 # runs in host workers and may read its own CPU tensors freely.
-DEVICE_CODE = (f"{os.sep}ssl{os.sep}", "gpu_augment", f"core{os.sep}engine", f"{os.sep}lightly{os.sep}")
+# core/: the trainers' run, its log, the loop's cadence and tallies, the run folder's rules.
+DEVICE_CODE = (f"{os.sep}ssl{os.sep}", "gpu_augment", f"{os.sep}lightly{os.sep}",
+               *(f"core{os.sep}{name}.py" for name in ("run", "log", "cadence", "run_folder")))
 
 
 def tiny_step(device="cpu", extra=()):
@@ -275,7 +277,7 @@ def test_out_of_memory_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path, mon
 
 
 def test_grad_checkpointing_may_change_on_resume():
-    from resmlp.core.engine import config_differences
+    from resmlp.core.run_folder import config_differences
     saved = {"command": "dino", "model": {"name": "resmlp_s12", "grad_checkpointing": False}, "data": {}}
     now = {"command": "dino", "model": {"name": "resmlp_s12", "grad_checkpointing": True}, "data": {}}
     assert config_differences(saved, now) == []

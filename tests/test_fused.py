@@ -13,7 +13,7 @@ from test_models import randomize
 
 from resmlp.core import cli
 from resmlp.core.config import load_config
-from resmlp.core.engine import config_differences
+from resmlp.core.run_folder import config_differences
 from resmlp.models import CROSS_PATCHES, create_model, export_state_dict, fold_affine
 from resmlp.models.from_config import build_model
 from resmlp.models.resmlp import FusedResMLPBlock, ResMLPBlock

@@ -219,10 +219,11 @@ def test_auto_takes_the_measured_path_for_each_case():
 
 
 def test_a_run_asked_auto_resumed_or_finished_with_false_is_the_same_run(tmp_path):
-    """compile and dino.cuda_graphs are runtime keys (core.engine.RUNTIME_KEYS): a finished
+    """compile and dino.cuda_graphs are runtime keys (core.run_folder.RUNTIME_KEYS): a finished
     run started with false is the run asked for by auto (nothing to do), and one with another
     setting is not."""
-    from resmlp.core.engine import Run, settings_differences
+    from resmlp.core.run import Run
+    from resmlp.core.run_folder import settings_differences
     old = load_config("dino", "resmlp_s12", [*TINY, "compile=false", "dino.cuda_graphs=false", f"out={tmp_path}"])
     now = load_config("dino", "resmlp_s12", [*TINY, f"out={tmp_path}"])
     assert (now.compile, now.dino.cuda_graphs) == ("auto", "auto")

@@ -115,7 +115,7 @@ def test_a_stop_signal_ends_an_extraction_at_the_next_batch_and_the_run_keeps_it
     from omegaconf import OmegaConf
 
     from resmlp.core import preempt
-    from resmlp.core.engine import Cadence
+    from resmlp.core.cadence import Cadence
     from resmlp.core.errors import Preempted
     from resmlp.eval.features import extract_features
 

@@ -1,8 +1,8 @@
 """A run folder belongs to its inputs, and evaluations keep their history (issue 36).
 
-Default run dirs name the weights a command starts from (core.engine.default_run_name); a
+Default run dirs name the weights a command starts from (core.run_folder.default_run_name); a
 finished run is "nothing to do" only with the settings asked for now, and is refused in one
-line otherwise (core.engine.settings_differences); an unfinished one is still continued. knn,
+line otherwise (core.run_folder.settings_differences); an unfinished one is still continued. knn,
 linear and viz append every result to evaluations.jsonl, viz's figures go to a folder named by
 their settings, under epoch<N>/ for a run still training (eval/command.py)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from resmlp.core.cli import main
 from resmlp.core.config import load_config, save_config, to_dict
-from resmlp.core.engine import run_dir, settings_differences
+from resmlp.core.run_folder import run_dir, settings_differences
 from resmlp.core.outdir import input_key, input_name
 
 from test_folder import labeled
@@ -218,7 +218,7 @@ def test_a_spec_names_its_weights_by_their_bytes(tmp_path):
 
 
 def test_each_trainer_records_the_weights_its_input_key_names(tmp_path):
-    from resmlp.core.engine import INPUTS_NAME, input_changed, record_inputs
+    from resmlp.core.run_folder import INPUTS_NAME, input_changed, record_inputs
     teacher = tmp_path / "teacher.pth"
     teacher.write_bytes(b"one")
     keys = {"distill": "distill.teacher", "finetune": "checkpoint", "dino": "dino.init"}
@@ -240,7 +240,7 @@ def test_each_trainer_records_the_weights_its_input_key_names(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_rewritten_in_place_is_not_taken_for_the_one_a_run_started_from(tmp_path, monkeypatch, capsys):
-    from resmlp.core.engine import INPUTS_NAME
+    from resmlp.core.run_folder import INPUTS_NAME
     monkeypatch.chdir(tmp_path)
     lab = labeled(tmp_path / "lab")
     fm1 = dino_run(tmp_path / "runs", "fm1", lab, 1)
@@ -308,7 +308,7 @@ def test_dino_init_from_a_file_rewritten_since_is_refused_finished_or_not(tmp_pa
 
 
 def test_compare_reuses_a_finished_path_only_while_its_input_holds_the_same_weights(tmp_path):
-    from resmlp.core.engine import record_inputs
+    from resmlp.core.run_folder import record_inputs
     from resmlp.core.errors import UserError
     from resmlp.supervised.compare import finished, plan, sub_config, weights_key
     lab = labeled(tmp_path / "lab")

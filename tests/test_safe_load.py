@@ -180,7 +180,7 @@ def test_weights_trust_loads_a_trusted_file(world, capsys):
 def test_weights_trust_changes_no_result():
     """A finished run asked for again with weights_trust=true is the run asked for."""
     from resmlp.core.config import to_dict
-    from resmlp.core.engine import settings_differences
+    from resmlp.core.run_folder import settings_differences
     asked = [to_dict(load_config("dino", "resmlp_s12", ["demo=false", *trust])) for trust in ([], [f"{TRUST_KEY}=true"])]
     assert asked[1][TRUST_KEY] is True and settings_differences(*asked) == []
 
