@@ -82,9 +82,9 @@ ensure_fashion_mnist() {
 }
 
 # `campaign` on a bare GPU machine (tools/campaign/README.md): the pure-Python wheels its
-# python3 lacks come carried in .whl/ and Fashion-MNIST in .fmnist/ (`bash run.sh
-# campaign-carry` makes both), the last call's report in .campaign_report/ (the caller copies
-# it there); the call's clock starts here, set-up included.
+# python3 lacks come carried in .whl/, Fashion-MNIST in .fmnist/ and the k-NN's baseline in
+# .baselines/ (`bash run.sh campaign-carry` makes them), the last call's report in
+# .campaign_report/ (the caller copies it there); the call's clock starts here, set-up included.
 campaign_setup() {
   export RESMLP_CAMPAIGN_STARTED="${RESMLP_CAMPAIGN_STARTED:-$(date +%s)}"
   local py="${RESMLP_PYTHON:-python3}" site="${TMPDIR:-/tmp}/resmlp-wheels"
@@ -111,21 +111,26 @@ case "$cmd" in
 
 run.sh also runs (tools of this repository, not of the installed package):
   campaign                 this project's GPU measurement, one resumable call after another (tools/campaign/README.md)
-  campaign-carry           make .whl/ and .fmnist/: what a bare GPU machine needs for campaign
+  campaign-carry           make .whl/, .fmnist/ and .baselines/: what a bare GPU machine needs for campaign
 EOF
     exit 0 ;;
   campaign) campaign_setup ;;
   campaign-carry)
-    # Here, online: the three wheels and the four Fashion-MNIST files a GPU machine gets by
-    # `carry: [".whl", ".fmnist", ".campaign_report"]` (all ignored by git; about 30 MB).
-    mkdir -p "$ROOT/.whl" "$ROOT/.fmnist"
+    # Here, online: the three wheels, the four Fashion-MNIST files and the k-NN's baseline (c11c829's
+    # eval/knn_search.py, campaign.gpu.knn_baseline) a GPU machine gets by
+    # `carry: [".whl", ".fmnist", ".baselines", ".campaign_report"]` (all ignored by git; about 30 MB).
+    mkdir -p "$ROOT/.whl" "$ROOT/.fmnist" "$ROOT/.baselines"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$ROOT/.whl" omegaconf==2.3.1 lightly==1.6.0
     python3 -m pip wheel -q --no-deps -w "$ROOT/.whl" antlr4-python3-runtime==4.9.3  # an sdist on PyPI: pure Python
     fmnist="${RESMLP_FMNIST_DIR:-/usr/share/datasets/fashion-mnist}"
     cp "$fmnist"/*-ubyte.gz "$ROOT/.fmnist/" || { say "no Fashion-MNIST .gz files in $fmnist: set RESMLP_FMNIST_DIR"; exit 2; }
-    ls -l "$ROOT/.whl" "$ROOT/.fmnist" >&2
+    git -C "$ROOT" show c11c829:eval/knn_search.py >"$ROOT/.baselines/knn_search_c11c829.py.tmp" \
+      || { rm -f "$ROOT/.baselines/knn_search_c11c829.py.tmp"
+           say "git cannot show c11c829:eval/knn_search.py: run campaign-carry in a clone with its history"; exit 2; }
+    mv "$ROOT/.baselines/knn_search_c11c829.py.tmp" "$ROOT/.baselines/knn_search_c11c829.py"
+    ls -l "$ROOT/.whl" "$ROOT/.fmnist" "$ROOT/.baselines" >&2
     exit 0 ;;
   test)
     shift; choose_python

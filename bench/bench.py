@@ -466,9 +466,10 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
 
 
 # Profile keys that only choose which lines run, not how one is measured (each line's key
-# names its model, strategy, impl, batch, backend): a resumed run may choose others.
-SELECTION = ("models", "strategies", "compile", "fused", "graphs", "reference", "largest_batch", "knn.backends",
-             "inference.models")
+# names its model, strategy, impl, batch, backend; a lever's impl names the lever): a resumed
+# run may choose others.
+SELECTION = ("models", "strategies", "compile", "fused", "levers", "graphs", "reference", "largest_batch",
+             "knn.backends", "inference.models")
 
 
 def _measuring(settings: dict) -> str:

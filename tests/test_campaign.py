@@ -28,7 +28,7 @@ from campaign import stages as CS
 from campaign import state as S
 from campaign.bench import BenchStage, ProfileStage, profile_figures
 from campaign.call import REPORT_FILES, STARTED_ENV, Campaign, main
-from campaign.compiling import CompileStage
+from campaign.costs import CompileStage, HeadStage
 from campaign.config import YAML
 from campaign.config import load as load_campaign
 from campaign.folder import MAX_BYTES, ReportError, write_report
@@ -200,7 +200,9 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     measured_lines = [line for line in every if line.startswith("[bench] ")
                       and not re.search(r"\(run \d+\)$", line) and "before this line" not in line]
     assert len(keys) == len(set(keys)) == len(measured_lines) and bench3["left"] == 0
-    assert bench3["runs"] == sum(st3[n]["runs"] for n in ("torchrun", "e2e", "bench_fused", "bench"))
+    benches = [s.name for s in plan(load_campaign([*TINY, f"out={out}"]), out)[1] if isinstance(s, BenchStage)]
+    assert benches == ["torchrun", "e2e", "bench_knn", "levers", "bench_fused", "autotune", "bench"]
+    assert bench3["runs"] == sum(st3[n]["runs"] for n in benches)
 
     # every figure of every call is in the last report
     rows3 = {r["key"]: r for r in bench3["rows"]}
@@ -227,6 +229,20 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert set(st3["compile"]["cost"]) == {"cold", "warm"} and st3["compile"]["cost"]["warm"]["mode"] == "eager"
     assert all(x["expected"]["took_s"] > 0 and x["expected"]["need_s"] > 0 for x in st3.values())
     assert {r["row"] for r in bench3["rows"]} >= {"torchrun", "e2e"}
+    # the k-NN beside its baseline file (the tiny profile's: ours, so both vote alike), in bench_knn's figures
+    knn_lines = {r["backend"]: r for r in st3["bench_knn"]["knn"]}
+    assert knn_lines["torch"]["baseline"] == "eval/knn_search.py" and knn_lines["torch"]["same_as_baseline"] is True
+    assert knn_lines["torch"]["baseline_seconds"] > 0 and knn_lines["torch"]["seconds"] > 0
+    # the lever's lines (token-major at the tiny profile, eager), each beside the fused block's and the reference's
+    levers = st3["levers"]["levers"]
+    assert {(r["lever"], r["kind"]) for r in levers} == {("token-major", "eager")} and len(levers) == 2  # 2 batches
+    assert all(r["vs_fused"] > 0 and r["vs_ref"] > 0 for r in levers)
+    # the head's precisions on the preset's step and on the larger one, each beside fp32's
+    for name, batch in (("head_preset", 16), ("head_224", 4)):
+        cost = st3[name]["cost"]
+        assert list(cost) == ["fp32", "tf32", "bf16"] and cost["fp32"]["batch"] == batch, cost
+        assert cost["fp32"]["vs_fp32"] == 1 and cost["bf16"]["images_per_s"] > 0
+    assert st3["kernel_tests"]["status"] == "done" and st3["kernel_tests"]["failed"] == 0
     # and the device k-NN's phases at the tiny bench profile's sizes (here on the CPU)
     knn = st3["profile_knn"]["profile"]["knn"]
     assert (knn["n_train"], knn["queries"], knn["same_votes"]) == (500, 50, True)
@@ -239,10 +255,11 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     cfg = load_campaign([*TINY, f"out={tmp_path}"])
     p, stages = plan(cfg, tmp_path)
     assert [s.name for s in stages] == ["tests", "profile_preset", "profile_224", "preset", "torchrun", "compile",
-                                        "e2e", "bench_fused", "profile_knn", "bench"]
+                                        "e2e", "bench_knn", "kernel_tests", "levers", "bench_fused", "head_preset",
+                                        "head_224", "autotune", "profile_knn", "bench"]
     gpu = load_campaign([f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
     p, stages = plan(gpu, tmp_path)
-    assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
+    assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 120), ("compare", 150)]
     # the preset is the command a user types on a GPU: only device, out and ckpt_epochs
     assert stages[0].argv == ["-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={tmp_path / 'preset'}",
                               "device=cuda", "ckpt_epochs=10"]
@@ -250,16 +267,16 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
                       (["campaign.stages=[preset,viz]"], "one of tests, profile_preset, profile_224, preset, "
                                                          "torchrun, compile"),
-                      (["campaign.call_s=200"], "no time for the bench stage"),
+                      (["campaign.call_s=200"], "no time for the autotune stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
             plan(load_campaign([f"out={tmp_path}", *bad]), tmp_path)
-    # the bench stages share one bench.json; the first one asks for the S12 lines of the step and the k-NN
+    # the bench stages share one bench.json; bench_fused asks for the S12 lines of the step
     _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
     assert by["bench_fused"].dir == by["bench"].dir == tmp_path / "bench"
-    assert "bench.rows=[dino,knn]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
-    assert by["bench_fused"].line_s == 90 and by["bench"].line_s == 150
+    assert "bench.rows=[dino]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
+    assert by["bench_fused"].line_s == 60 and by["bench"].line_s == 150
     # the profiles: bench/profile.py on the preset's own config, and at 224 px, each into its own folder
     assert by["profile_preset"].argv[:2] == ["-m", "resmlp.bench.profile"]
     assert by["profile_preset"].argv[2:6] == ["device=cuda", "ckpt_epochs=10", "compile=true", "model.fused=true"]
@@ -351,59 +368,83 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch,
     assert need == pytest.approx(15 + 52 + 30 * 59904 / 6940 + 2 * 4 + 12, abs=0.1)
     assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
     # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
-    # 294 - 40 - 20 - 6 - 30 = 198 s: every stage but the preset fits it (the bench's 180 s the longest)
+    # 294 - 40 - 20 - 6 - 30 = 198 s: every stage but the preset and autotune (301 s) fits it
+    # (the bench's 180 s the longest)
     clock.now = first.started + 546
     assert [s.name for s in first.left_for_later()] == ["profile_preset", "profile_224", "torchrun", "compile", "e2e",
-                                                        "bench_fused", "profile_knn", "bench"]
+                                                        "bench_knn", "kernel_tests", "levers", "bench_fused",
+                                                        "head_preset",
+                                                        "head_224", "profile_knn", "bench"]
     assert first.exit_code() == 75
-    clock.now = first.started + 700  # 840 - 700 - 96 = 44 s: nothing fits; the preset needs another window
+    clock.now = first.started + 710  # 840 - 710 - 96 = 34 s: nothing fits (the k-NN needs 40 s); nor the preset
     assert first.left_for_later() == [] and first.exit_code() == 0
 
 
-def test_a_window_runs_the_tests_the_profiles_the_preset_and_torchrun_and_leaves_the_rest(tmp_path, monkeypatch,
-                                                                                          on_a_gpu_machine):
-    """The next window as the estimates plan it (campaign.gpu's min_start_s and the preset's
-    prediction): call 1 the tests and both whole profiles, then the preset does not fit and
-    the call ends for it; call 2 the preset and the torchrun line; then compile needs another
-    window, and the call says so."""
+# What each stage of the gpu profile takes, as campaign.yaml's comments estimate it: a bench
+# stage all its lines, the preset its prediction (436 s: the campaign predicts it itself).
+ESTIMATES = {"tests": 105, "profile_preset": 75, "profile_224": 65, "preset": 436, "torchrun": 92, "compile": 120,
+             "e2e": 170, "bench_knn": 30, "kernel_tests": 130, "levers": 490, "bench_fused": 80, "head_preset": 90,
+             "head_224": 70, "autotune": 255, "profile_knn": 60, "bench": 800}
+SETUP_S, TRANSFER_S = 8, 5   # run.sh's set-up in each call; the copies around it (2026-11-27: about 5 s)
+
+
+def play_windows(tmp_path, monkeypatch, windows: int) -> list:
+    """15-minute windows played through the campaign's own calls (Campaign.call), each stage
+    taking its estimate (ESTIMATES) or, cut by its stop signal, what was left of the call (a
+    bench stage keeps the lines it measured; the next call measures the rest). Each call is
+    told what the window has left (900 s less every earlier call's machine start, set-up, run
+    and transfers); a window's calls go on while one exits 75; the next window starts on a
+    fresh machine from the last report. Returns, per window, each call's (stages run, exit)."""
     clock = Clock()
     monkeypatch.setattr(C, "time", types.SimpleNamespace(time=clock.time, sleep=time.sleep))
     monkeypatch.delenv(STARTED_ENV, raising=False)
-    first = Campaign(load_campaign([f"out={tmp_path / 'w'}", "campaign.window_left_s=900"]))
-    first.load()
-    first.calls.append({"call": 1, "setup_s": 8.0, "not_started": []})
-    by = first.by_name
-    taken = 8.0   # the set-up
-    clock.now = first.started + taken
-    # each starts with its whole run's budget (min_start_s) left and takes what campaign.yaml's
-    # comments estimate: the tests as on 2026-11-27 and a few more, the profiles 75 and 65 s
-    for name, took in (("tests", 80), ("profile_preset", 75), ("profile_224", 65)):
-        need, _ = first.requirement(by[name])
-        assert CS.decide(need, first.deadline - clock.now - 30, first.next_call_s()) == "start", name
+    monkeypatch.setattr(Campaign, "device", lambda self: "NVIDIA H200")
+    left = dict(ESTIMATES)
+
+    def supervise(self, stage, argv, end):   # the stage's run, by the clock
+        stop = min(end, self.deadline) - float(self.p["stop_grace_s"])
+        took = max(0.0, min(left[stage.name], stop - clock.now))
         clock.now += took
-        by[name].status = "done"
-    clock.now = first.started + taken + 80 + 75 + 65
-    assert first.run_stage(by["preset"], first.calls[-1]) is False   # 436 s > 570 - 228 - 30: the next call
-    assert first.calls[-1]["not_started"][-1]["verdict"] == "next_call" and first.exit_code() == 75
-    # call 2 on the same machine, told what the window has left (its start, call 1 and the transfers spent)
-    (tmp_path / "w").mkdir(exist_ok=True)
-    S.write_state(tmp_path / "w", first.state())
-    spent = clock.now - first.started + 5   # and the transfers around call 1 (2026-11-27: 900 - 765 - 40 - 90 s)
-    second = Campaign(load_campaign([f"out={tmp_path / 'w'}", f"campaign.window_left_s={900 - 40 - spent:g}"]))
-    second.load()
-    second.calls.append({"call": 2, "setup_s": 6.0, "not_started": []})
-    preset, _ = second.requirement(second.by_name["preset"])
-    clock.now = second.started + 6 + preset
-    torchrun, why = second.requirement(second.by_name["torchrun"])
-    assert (torchrun, preset) == (80, pytest.approx(436, abs=1)) and "bench_line_s=60" in why
-    left = second.deadline - clock.now - 30
-    assert CS.decide(torchrun, left, second.next_call_s()) == "start"
-    clock.now += 92   # its estimate: the bench's start-up, the peak lines and the two step lines
-    compile_need, _ = second.requirement(second.by_name["compile"])
-    assert CS.decide(compile_need, second.deadline - clock.now - 30, second.next_call_s()) == "window"
-    for s in ("preset", "torchrun"):
-        second.by_name[s].status = "done"
-    assert second.left_for_later() == [] and second.exit_code() == 0
+        left[stage.name] -= took
+        return (0, None) if left[stage.name] <= 0 else (75, "call")
+    monkeypatch.setattr(Campaign, "supervise", supervise)
+    out, carried, played = tmp_path / "campaign", None, []
+    for window in range(windows):
+        budget, calls = 900.0, []
+        while len(calls) < 5:
+            fresh = not (out / "campaign.json").exists()
+            c = Campaign(load_campaign([f"out={out}", f"campaign.window_left_s={budget:g}",
+                                        *([f"campaign.from_report={carried}"] if carried else [])]))
+            c.load()
+            clock.now += SETUP_S
+            code = c.call()
+            budget -= (40 if fresh else 0) + clock.now - c.started + TRANSFER_S
+            assert budget > 0, f"window {window + 1} overrun by call {len(calls) + 1}"
+            calls.append(([x["stage"] for x in c.calls[-1]["ran"]], code))
+            if code != 75:
+                break
+        played.append(calls)
+        carried = carry(out / "report", tmp_path / f"carried{window}")
+        shutil.rmtree(out)
+    return played
+
+
+def test_the_windows_the_estimates_plan(tmp_path, monkeypatch, on_a_gpu_machine):
+    """The next windows as campaign.gpu's estimates plan them (tools/campaign/README.md).
+    Window 1: call 1 the tests and both whole profiles, then the preset does not fit and the
+    call ends for it; call 2 the preset and torchrun, and compile needs another window.
+    Window 2: compile, e2e, the k-NN and the kernels' tests, then the levers do not fit and the
+    call ends for them; call 2 most of the levers' lines. Window 3: the rest of the levers,
+    bench_fused and the head's two stages; call 2 max-autotune and the k-NN's phases. Window 4:
+    the rest of the bench (its estimate the least known), which it does not finish."""
+    played = play_windows(tmp_path, monkeypatch, 4)
+    assert played[0] == [(["tests", "profile_preset", "profile_224"], 75), (["preset", "torchrun"], 0)]
+    assert played[1] == [(["compile", "e2e", "bench_knn", "kernel_tests"], 75), (["levers"], 0)]
+    assert played[2] == [(["levers", "bench_fused", "head_preset", "head_224"], 75), (["autotune", "profile_knn"], 0)]
+    assert played[3] == [(["bench"], 75), (["bench"], 0)]
+    s, st = summary(tmp_path / "carried3")
+    assert {n for n, x in st.items() if x["status"] != "done"} == {"bench"} and st["bench"]["status"] == "cut"
+    assert s["left_for_another_window"] == ["bench"] and len(s["calls"]) == 8
 
 
 def test_the_new_stages_run_the_bench_rows_and_compile_cost_of_the_preset(tmp_path):
@@ -506,6 +547,154 @@ def test_the_fused_stages_ask_for_the_fused_block(tmp_path):
     by = {s.name: s for s in stages}
     assert "bench.gpu.fused=[true]" in by["bench_fused"].argv
     assert "model.fused=true" in by["profile_preset"].argv and "model.fused=true" in by["profile_224"].argv
+
+
+class Lines:
+    """A bench Context that measures nothing: it records the line each family would measure,
+    and answers the largest batch search with `largest`."""
+
+    def __init__(self, p, models, largest=1024):
+        self.p, self.models, self.largest, self.lines = p, models, largest, []
+
+    def attempt(self, family, ident, fn, restorable=True):
+        self.lines.append((ident["impl"], ident.get("batch")))
+        return {"status": "ok", "batch": self.largest} if ident["impl"] == "largest batch search" else {}
+
+
+def dino_lines(stage) -> list:
+    """The dino lines a bench stage's command would measure on the gpu profile, in order."""
+    cfg = load_config("bench", "resmlp_s12", stage.argv[3:])
+    assert stage.argv[:3] == ["-m", "resmlp.core.cli", "bench"] and list(cfg.bench.rows) == ["dino"]
+    ctx = Lines(cfg.bench.gpu, B.choose_models(cfg, cfg.bench.gpu)[0])
+    R.dino_family(ctx)
+    return ctx.lines
+
+
+def test_the_levers_are_lines_of_their_own_stages_beside_the_fused_block_and_the_reference(tmp_path):
+    """levers: each lever compiled and graphed, then the model's levers together, between the
+    fused block's line and the reference loop's, at batch 64 and the largest batch, in one
+    bench run; bench_fused (after it) only the ungraphed fused lines on top; autotune the
+    max-autotune line at batch 64; the rest of the bench no lever."""
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
+    by = {s.name: s for s in stages}
+    order = [s.name for s in stages]
+    assert order.index("kernel_tests") < order.index("levers") < order.index("bench_fused") < order.index("autotune")
+    graphed = [f"ours fused {x}compile+graphs" for x in ("", "token-major ", "triton ", "bf16-residual ",
+                                                         "token-major+triton+bf16-residual ")]
+    each = [*graphed, "reference"]
+    assert dino_lines(by["levers"]) == [("largest batch search", None), *[(x, 64) for x in each],
+                                        *[(x, 1024) for x in each]]
+    assert dino_lines(by["bench_fused"]) == [("largest batch search", None),
+                                             *[(x, b) for b in (64, 1024) for x in ("ours fused compile",
+                                                                                    "ours fused compile+graphs",
+                                                                                    "reference")]]
+    assert dino_lines(by["autotune"]) == [(x, 64) for x in ("ours fused compile+graphs",
+                                                            "ours fused max-autotune compile+graphs", "reference")]
+    # the rest of the bench: no lever line, on any model
+    cfg = load_config("bench", "resmlp_s12", by["bench"].argv[3:])
+    assert list(cfg.bench.gpu.levers) == [] and R.lever_lines(cfg.bench.gpu) == []
+    assert (by["levers"].line_s, by["autotune"].line_s, by["levers"].shows, by["autotune"].shows) == \
+        (70, 300, ("levers",), ("levers",))
+    # a stage whose bench.json another stage began with other levers resumes it (bench.py's SELECTION)
+    settings = {"levers": ["token-major"], "knn": {"baseline": "a.py", "backends": ["torch"]}}
+    assert B._measuring(settings) == B._measuring({**settings, "levers": []})
+    assert B._measuring(settings) != B._measuring({**settings, "knn": {"baseline": None, "backends": ["torch"]}})
+
+
+def test_the_knn_stage_times_c11c829s_search_beside_ours_and_every_bench_stage_names_it(tmp_path, capsys):
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
+    by = {s.name: s for s in stages}
+    knn = load_config("bench", "resmlp_s12", by["bench_knn"].argv[3:])
+    assert list(knn.bench.rows) == ["knn"] and list(knn.bench.gpu.knn.backends) == ["torch-device"]
+    assert knn.bench.gpu.knn.baseline == ".baselines/knn_search_c11c829.py" and by["bench_knn"].shows == ("knn",)
+    # one of the settings bench.json's lines are measured with: every bench stage passes the same
+    benches = [s for s in stages if isinstance(s, BenchStage)]
+    assert len(benches) == 7 and all("bench.gpu.knn.baseline=.baselines/knn_search_c11c829.py" in s.argv
+                                     for s in benches)
+    # run.sh's campaign-carry writes that file from the commit the key names
+    sh = (ROOT / "run.sh").read_text()
+    assert "git -C \"$ROOT\" show c11c829:eval/knn_search.py >\"$ROOT/.baselines/knn_search_c11c829.py.tmp\"" in sh
+    # a campaign without it carried in: one line, before any work
+    out = tmp_path / "never"
+    assert main([*TINY, "campaign.tiny.knn_baseline=.baselines/none.py", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "campaign.tiny.knn_baseline=.baselines/none.py is not in " in err[0], err
+    assert "bash run.sh campaign-carry" in err[0] and "carry .baselines" in err[0] and not out.exists()
+
+
+def test_the_report_shows_each_lever_beside_the_fused_block_and_the_knn_beside_its_baseline(tmp_path):
+    line = {"row": "dino", "model": "resmlp_s12", "strategy": "interpolate", "status": "ok"}
+    rows = [{**line, "impl": "ours fused compile+graphs", "batch": 64, "images_per_s": 2000.0, "pct_peak": 12.0},
+            {**line, "impl": "ours fused token-major compile+graphs", "batch": 64, "images_per_s": 3000.0,
+             "pct_peak": 18.0, "capture_s": 41.5, "run": 3},
+            {**line, "impl": "ours fused max-autotune compile+graphs", "batch": 64, "images_per_s": 2500.0,
+             "capture_s": 250.0},
+            {**line, "impl": "reference", "batch": 64, "images_per_s": 800.0},
+            {**line, "impl": "ours fused token-major compile+graphs", "batch": 1024, "images_per_s": 5000.0,
+             "capture_s": 50.0},
+            {**line, "impl": "ours fused compile", "batch": 64, "images_per_s": 1000.0},
+            {**line, "impl": "ours fused triton compile+graphs", "batch": 64, "status": "error", "error": "x"},
+            {"row": "knn", "backend": "torch-device", "status": "ok", "device": "cuda", "queries": 50000,
+             "seconds": 0.4, "seconds_full": 0.4, "baseline": ".baselines/knn_search_c11c829.py",
+             "baseline_seconds": 0.8, "vs_baseline": 2.0, "same_as_baseline": True}]
+    (tmp_path / "bench.json").write_text(json.dumps({"runs": 3, "left": 0, "rows": rows, "summary": []}))
+    levers = BenchStage("levers", [], tmp_path, 90, line_s=70, shows=("levers",))
+    levers.figures = levers.read_figures()
+    got = {(r["lever"], r["batch"]): r for r in levers.figures["levers"]}
+    assert set(got) == {("token-major", 64), ("max-autotune", 64), ("token-major", 1024)}   # no error line
+    tm = got[("token-major", 64)]
+    assert (tm["kind"], tm["vs_fused"], tm["vs_ref"], tm["pct_peak"], tm["capture_s"], tm["fused_images_per_s"]) == \
+        ("compile+graphs", 1.5, 3.75, 18.0, 41.5, 2000.0)
+    assert got[("token-major", 1024)]["vs_fused"] is None and got[("max-autotune", 64)]["capture_s"] == 250.0
+    assert "knn" not in levers.figures
+    text = levers.describe()
+    assert ("token-major compile+graphs b64: 3000 img/s, 1.50x the fused block, 3.75x the reference, 18.0% of the "
+            "matmul rate, its first calls 42 s") in text
+    knn = BenchStage("bench_knn", [], tmp_path, 40, line_s=20, shows=("knn",))
+    knn.figures = knn.read_figures()
+    assert [(r["seconds"], r["baseline_seconds"], r["vs_baseline"]) for r in knn.figures["knn"]] == [(0.4, 0.8, 2.0)]
+    assert ("k-NN torch-device 0.400 s for 50000 queries (knn_search_c11c829.py: 0.800 s, ours 2.00x, the same "
+            "votes)") in knn.describe() and "levers" not in knn.figures
+    # a stage that shows nothing else counts the lines only
+    assert set(BenchStage("bench", [], tmp_path, 180, line_s=150).read_figures()) == {"bench_runs", "lines", "left",
+                                                                                      "goals"}
+
+
+def test_the_head_stages_time_the_preset_and_the_224_px_step_per_precision(tmp_path):
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
+    by = {s.name: s for s in stages}
+    for name, img, batch in (("head_preset", 32, 512), ("head_224", 224, 64)):
+        h = by[name]
+        results = tmp_path / name / "head_cost.json"
+        assert isinstance(h, HeadStage) and h.results == results and h.dir == tmp_path / name
+        assert h.argv[:8] == ["-m", "resmlp.bench.head_cost", "--precisions", "fp32,tf32,bf16", "--mode", "regional",
+                              "--json", str(results)]
+        # the step head_cost.py builds (compile_cost.build: `dino resmlp_s12`, demo=false, these keys)
+        cfg = load_config("dino", "resmlp_s12", ["demo=false", *h.argv[8:]])
+        assert (cfg.data.img_size, cfg.batch_size, cfg.dino.cuda_graphs, cfg.device) == (img, batch, True, "cuda")
+    cfg = load_config("dino", "resmlp_s12", ["demo=false", *by["head_224"].argv[8:]])
+    assert (cfg.model.patch_size, cfg.data.local_size, cfg.dino.out_dim) == (16, 96, 65536)
+    assert (by["head_preset"].min_start_s, by["head_224"].min_start_s) == (110, 90)
+    # its results: each precision's figures in the state (its repeats aside), a rerun's own
+    h = by["head_224"]
+    h.dir.mkdir(parents=True)
+    r = {"mode": "regional", "graphs": True, "precision": "bf16", "batch": 64, "crops": "2x224+8x96", "repeats": [1.0]}
+    h.results.write_text(json.dumps([{**r, "head_precision": "fp32", "images_per_s": 2000.0, "vs_fp32": 1.0,
+                                      "first_loss": 11.09, "first_loss_vs_fp32": 0.0},
+                                     {**r, "head_precision": "tf32", "images_per_s": 2100.0, "vs_fp32": 1.05,
+                                      "first_loss": 11.09, "first_loss_vs_fp32": 1e-7},
+                                     {**r, "head_precision": "bf16", "images_per_s": 2200.0, "vs_fp32": 1.1,
+                                      "first_loss": 11.1, "first_loss_vs_fp32": 9e-4}]))
+    h.status = "done"
+    h.after_run(70.0)
+    assert list(h.cost) == ["fp32", "tf32", "bf16"] and h.cost["bf16"]["vs_fp32"] == 1.1
+    assert "repeats" not in h.cost["fp32"] and h.state()["cost"] == h.cost
+    assert h.describe() == ("regional + graphs, bf16, batch 64 (2x224+8x96): fp32 2000 img/s, tf32 2100 img/s "
+                            "(1.050x fp32, first loss +1.0e-07), bf16 2200 img/s (1.100x fp32, first loss +9.0e-04)")
+    assert h.launch(100) == h.argv and not h.results.exists()
+    h.status = "failed"
+    h.after_run(1.0)
+    assert h.cost["bf16"]["images_per_s"] == 2200.0   # a failed run leaves the last figures as they were
 
 
 def test_a_profile_keeps_every_kernel_in_the_summary_and_comes_back_on_a_fresh_machine(tmp_path):

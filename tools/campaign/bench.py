@@ -3,8 +3,10 @@
 A bench stage runs `bench` into the bench.json it shares with the other bench stages
 (bench.resume): its lines are kept one by one, so it may start when its longest line fits,
 under a time limit that leaves its stop signal for the line in flight, and a line one stage
-measured is not measured again by the other. A profile stage runs bench/profile.py on one
-step; its profile.json (every kernel kept, by class, the numbers short) goes into its state
+measured is not measured again by the other. Its figures count the shared bench.json's lines
+and, for what the stage is about (`shows`), pick some out: each lever line beside the fused
+block's and the reference loop's, the k-NN lines beside their baseline's. A profile stage
+runs bench/profile.py on one step; its profile.json (every kernel kept, by class, the numbers short) goes into its state
 (so into summary.json: the report has no room for another file).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ NAME_CHARS = 160        # of a kernel's name in summary.json (C++ templates run 
 @dataclass(kw_only=True)
 class BenchStage(Stage):
     line_s: float             # its longest line (none starts with less left)
+    shows: tuple = ()         # which lines of bench.json its figures show (SHOWS)
 
     @property
     def results(self) -> Path:
@@ -55,16 +58,74 @@ class BenchStage(Stage):
         status: dict = {}
         for r in b.get("rows", []):
             status[r["status"]] = status.get(r["status"], 0) + 1
+        ok = [r for r in b.get("rows", []) if r["status"] == "ok"]
         return {"bench_runs": b.get("runs"), "lines": status, "left": b.get("left"),
                 "goals": [s["text"] + ("" if s["met"] is None else " [met]" if s["met"] else " [open]")
-                          for s in b.get("summary", [])]}
+                          for s in b.get("summary", [])],
+                **{what: SHOWS[what](ok) for what in self.shows}}
 
     def report_files(self):
         return {self.results.name: self.results}
 
     def parts(self):
         f = self.figures
-        return [f"bench.json (every bench stage's): lines {f['lines']}, {f.get('left') or 0} left"] if f else []
+        if not f.get("lines"):
+            return []
+        parts = [f"bench.json (every bench stage's): lines {f['lines']}, {f.get('left') or 0} left"]
+        for r in f.get("levers", []):
+            ratios = [f"{r[k]:.2f}x {what}" for k, what in (("vs_fused", "the fused block"),
+                                                            ("vs_ref", "the reference")) if r.get(k) is not None]
+            parts.append(f"{r['lever']} {r['kind']} b{r['batch']}: {r['images_per_s']:.0f} img/s"
+                         + "".join(f", {x}" for x in ratios)
+                         + ("" if r.get("pct_peak") is None else f", {r['pct_peak']:.1f}% of the matmul rate")
+                         + ("" if r.get("capture_s") is None else f", its first calls {r['capture_s']:.0f} s"))
+        for r in f.get("knn", []):
+            parts.append(f"k-NN {r['backend']} {r['seconds']:.3f} s for {r['queries']} queries"
+                         + ("" if r.get("baseline_seconds") is None else
+                            f" ({Path(str(r['baseline'])).name}: {r['baseline_seconds']:.3f} s, ours "
+                            f"{r['vs_baseline']:.2f}x, {'the same' if r['same_as_baseline'] else 'other'} votes)"))
+        return parts
+
+
+FUSED = "ours fused "     # bench/rows.py's impl of a fused block's line: "ours fused [<lever> ]<kind>"
+
+
+def lever_figures(rows: list) -> list:
+    """Each lever line of the fused block (bench/rows.py LEVERS: "ours fused <lever> <kind>")
+    beside the fused block's line of the same kind and the reference loop's, at the same model,
+    strategy and batch: img/s and their ratios, the share of the measured matmul rate, and the
+    seconds of its first calls (a graphed line's: its compilation and capture)."""
+    dino = [r for r in rows if r["row"] == "dino"]
+
+    def beside(r, impl):
+        return next((x for x in dino if x["impl"] == impl and all(x.get(k) == r.get(k)
+                                                                   for k in ("model", "strategy", "batch"))), None)
+    out = []
+    for r in dino:
+        lever, _, kind = r["impl"].removeprefix(FUSED).rpartition(" ")
+        if not r["impl"].startswith(FUSED) or not lever:
+            continue
+        fused, ref = beside(r, FUSED + kind), beside(r, "reference")
+        out.append({"lever": lever, "kind": kind, "model": r["model"], "batch": r.get("batch"),
+                    "images_per_s": r["images_per_s"],
+                    "fused_images_per_s": fused and fused["images_per_s"],
+                    "vs_fused": fused and r["images_per_s"] / fused["images_per_s"],
+                    "vs_ref": ref and r["images_per_s"] / ref["images_per_s"], "pct_peak": r.get("pct_peak"),
+                    "capture_s": r.get("capture_s"), "first_s": r.get("first_s"), "wall_s": r.get("wall_s"),
+                    "run": r.get("run")})
+    return out
+
+
+def knn_figures(rows: list) -> list:
+    """The k-NN lines: seconds (for its queries, and scaled to all of them), and where a
+    baseline file ran beside (bench.<profile>.knn.baseline) its seconds for the same queries,
+    ours' speed over it and whether both voted alike."""
+    return [{k: r.get(k) for k in ("backend", "device", "n_train", "dim", "queries", "seconds", "seconds_full", "top1",
+                                   "baseline", "baseline_seconds", "vs_baseline", "same_as_baseline", "run")}
+            for r in rows if r["row"] == "knn"]
+
+
+SHOWS = {"levers": lever_figures, "knn": knn_figures}
 
 
 @dataclass

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from campaign import report as R
 from campaign import state as S
+from campaign.bench import BenchStage
 from campaign.config import YAML
 from campaign.folder import ReportError, write_report
 from campaign.folder import problem as report_problem
@@ -422,9 +423,19 @@ def check_cuda(cfg) -> None:
                         "every stage at test size on this CPU")
 
 
+def check_carried(campaign: Campaign) -> None:
+    """The files the stages read that the machine only has when they were carried to it."""
+    name = f"campaign.{campaign.cfg.campaign.profile}.knn_baseline"
+    baseline = campaign.p.get("knn_baseline")
+    if baseline and any(isinstance(s, BenchStage) for s in campaign.stages) and not (ROOT / str(baseline)).is_file():
+        raise UserError(f"{name}={baseline} is not in {ROOT}: `bash run.sh campaign-carry` writes it (carry "
+                        f"{Path(str(baseline)).parent} to the GPU machine), or {name}=null measures no baseline")
+
+
 def run(cfg) -> int:
     campaign = Campaign(cfg)
     check_cuda(cfg)
+    check_carried(campaign)
     lock = RunLock(campaign.dir)
     try:
         campaign.dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 one is (stages.py) and with what keys from the profile's settings
 (tools/campaign/campaign.yaml). No torch import.
 
-  tests           the CUDA-only tests (`pytest -m cuda`)
+  tests           the CUDA-only tests (`pytest -m cuda`), the Triton kernels' aside
   profile_preset  bench/profile.py on the preset's (fused) step: time per phase, every kernel
                   by class against its floor
   profile_224     the same on the 224 px step
@@ -11,9 +11,15 @@ one is (stages.py) and with what keys from the profile's settings
   torchrun        the bench's torchrun row: the step in a one-process torchrun job and in-process
   compile         bench/compile_cost.py on the preset's model: the first iteration cold, then warm
   e2e             the bench's e2e row: real-size JPEGs through the loader and the step
-  bench_fused     the bench lines of the goals: the fused step (compiled, with and without
-                  graphs, at batch 64 and the largest batch) beside the reference loop, and
-                  the device k-NN
+  bench_knn       the bench's device k-NN, and beside it the baseline file's (knn_baseline)
+  kernel_tests    the Triton kernels' CUDA tests (tests/test_kernels.py), before the levers
+  levers          the bench lines of the fused block's levers, each compiled and graphed beside
+                  the fused block and the reference loop, at batch 64 and the largest batch
+  bench_fused     the rest of the goals' step lines: the fused step compiled without graphs
+                  at batch 64 and the largest batch, beside the graphed one and the reference
+  head_preset     bench/head_cost.py: the preset's step per dino.head_precision
+  head_224        the same at 224 px, batch 64
+  autotune        the bench line of the max-autotune lever: its step and its first calls' time
   profile_knn     bench/profile.py's k-NN phases at the bench's sizes: where that k-NN's time goes
   bench           the rest of the bench, in the same bench.json (no line measured twice)
   compare         the preset with campaign.compare_overrides, for compare_budget_s of stage time
@@ -23,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from campaign.bench import BenchStage, ProfileStage
-from campaign.compiling import RESULTS, CompileStage
+from campaign.costs import CompileStage, HeadStage
 from campaign.stages import Stage
 from campaign.tests import TestsStage
 from campaign.training import PresetStage, TrainingStage
@@ -69,31 +75,39 @@ def table(cfg, campaign_dir: Path) -> tuple[dict, dict]:
     mine = [*map(str, as_list(c.preset_overrides))]
     images = ["data=imagefolder", f"data.root={d / 'images'}"] if p.get("images") else []
     preset = [*keys["preset"], *images, *mine]
+    # one of the settings the bench's lines are measured with, so every bench stage's (one bench.json)
+    baseline = [f"bench.{c.profile}.knn.baseline={p['knn_baseline']}"] if p.get("knn_baseline") else []
 
     def training(kind, name, overrides, **more):
         config = ("dino", "resmlp_s12", overrides)
         return kind(name, ["-m", "resmlp.core.cli", *config[:2], f"out={d / name}", *overrides], d / name,
                     float(p["min_start_s"][name]), config=config, **more)
 
-    def bench(name, overrides):  # both bench stages share one bench.json
+    def bench(name, overrides, shows=()):  # the bench stages share one bench.json
         return BenchStage(name, ["-m", "resmlp.core.cli", "bench", f"out={d / 'bench'}", "bench.resume=true",
-                                 *keys["bench"], *overrides], d / "bench", float(p["min_start_s"][name]),
-                          line_s=float(p["bench_line_s"][name]))
+                                 *keys["bench"], *baseline, *overrides], d / "bench", float(p["min_start_s"][name]),
+                          line_s=float(p["bench_line_s"][name]), shows=shows)
 
     def profile(name, overrides):
         return ProfileStage(name, ["-m", "resmlp.bench.profile", *overrides, f"profile.out={d / name}"], d / name,
                             float(p["min_start_s"][name]))
 
+    def cost(kind, name, script, overrides, **more):  # bench/<script>.py, its results in the stage's folder
+        results = d / name / f"{script}.json"
+        return kind(name, ["-m", f"resmlp.bench.{script}", *keys[script], "--json", str(results), *overrides],
+                    d / name, float(p["min_start_s"][name]), results=results, **more)
+
     def compile_cost(name):  # the preset's model and settings (its run's keys aside), one cache for both runs
         cache = d / "compile_cache"
         keys_of_cache = [k.replace("<cache>", str(cache)) for k in keys["compile_cache"]]
-        return CompileStage(name, ["-m", "resmlp.bench.compile_cost", *keys["compile_cost"], "--json",
-                                   str(d / name / RESULTS), *keys["preset"], *images, *mine, *keys_of_cache],
-                            d / name, float(p["min_start_s"][name]), cache=cache)
+        return cost(CompileStage, name, "compile_cost", [*preset, *keys_of_cache], cache=cache)
+
+    def tests(name):
+        return TestsStage(name, ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *keys[name]], d / name,
+                          float(p["min_start_s"][name]))
 
     return p, {
-        "tests": lambda n: TestsStage(n, ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfE", *keys["tests"]],
-                                      d / n, float(p["min_start_s"][n])),
+        "tests": tests,
         # the preset's own step (its model, crops and batch) and the 224 px one, each profiled
         "profile_preset": lambda n: profile(n, [*keys["preset"], *mine, *keys["profile_preset"]]),
         "profile_224": lambda n: profile(n, keys["profile_224"]),
@@ -101,7 +115,14 @@ def table(cfg, campaign_dir: Path) -> tuple[dict, dict]:
         "torchrun": lambda n: bench(n, keys["torchrun"]),
         "compile": compile_cost,
         "e2e": lambda n: bench(n, keys["e2e"]),
+        "bench_knn": lambda n: bench(n, keys["bench_knn"], shows=("knn",)),
+        "kernel_tests": tests,
+        "levers": lambda n: bench(n, keys["levers"], shows=("levers",)),
         "bench_fused": lambda n: bench(n, keys["bench_fused"]),
+        # the head's precisions on the preset's step (the preset's keys, as compile's) and on the 224 px one
+        "head_preset": lambda n: cost(HeadStage, n, "head_cost", [*preset, *keys["head_preset"]]),
+        "head_224": lambda n: cost(HeadStage, n, "head_cost", keys["head_224"]),
+        "autotune": lambda n: bench(n, keys["autotune"], shows=("levers",)),
         "profile_knn": lambda n: profile(n, keys["profile_knn"]),
         "bench": lambda n: bench(n, keys["bench_rest"]),
         "compare": lambda n: training(TrainingStage, n, [*preset, *map(str, as_list(c.compare_overrides))],

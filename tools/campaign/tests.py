@@ -1,6 +1,6 @@
-"""The campaign's tests stage: the CUDA-only tests (`pytest -m cuda`), each test's result kept
-as it comes from pytest's output, so that a cut call's next one runs only the tests without
-a result. No torch import.
+"""The campaign's tests stages: the CUDA-only tests (`pytest -m cuda`; the Triton kernels' in a
+stage of their own, before the levers), each test's result kept as it comes from pytest's
+output, so that a cut call's next one runs only the tests without a result. No torch import.
 """
 from __future__ import annotations
 
