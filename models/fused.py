@@ -65,7 +65,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DropPath
 
-from resmlp.models import kernels
+from resmlp.models.kernels import load as load_kernels
 
 
 def _drop_prob(block: nn.Module) -> float:
@@ -110,7 +110,7 @@ def _normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _triton(block: nn.Module):
     """The Triton operators' module where the block runs them (model.kernels=triton), else None."""
-    return kernels.load() if getattr(block, 'kernels', 'torch') == 'triton' else None
+    return load_kernels() if getattr(block, 'kernels', 'torch') == 'triton' else None
 
 
 def _gemm_dtype(weight: torch.Tensor, x: torch.Tensor) -> torch.dtype:

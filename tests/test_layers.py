@@ -22,12 +22,14 @@ TOP = 3
 
 
 def modules() -> dict[str, Path]:
-    """resmlp.<package>.<module> -> its file, for every module of the package."""
+    """resmlp.<package>[.<subpackage>].<module> -> its file, for every module of the package
+    (models/kernels/ is a subpackage of models: its layer)."""
     found = {}
     for package in PACKAGES:
-        for path in sorted((REPO / package).glob("*.py")):
-            name = f"resmlp.{package}" + ("" if path.stem == "__init__" else f".{path.stem}")
-            found[name] = path
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO / package).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join(("resmlp", package, *parts))] = path
     return found
 
 
