@@ -9,7 +9,7 @@
 # Several GPUs or nodes: NPROC_PER_NODE=8 [NNODES=2 NODE_RANK=0 MASTER_ADDR=... MASTER_PORT=...]
 #   or, with no fixed master (torchrun's c10d rendezvous, the same command on every node):
 #   NPROC_PER_NODE=8 NNODES=2 RDZV_ENDPOINT=host:port [RDZV_ID=<job id>] [RDZV_TIMEOUT=seconds, 300]
-# A SLURM job instead: bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 ... (README)
+# A SLURM job instead: bash run.sh dino resmlp_s12 launcher=slurm slurm.nodes=2 ... (docs/cluster.md)
 # Paths on the command line mean what they mean in the caller's shell: the commands run in
 # the caller's folder (default outputs, runs/..., land there), never in this one.
 set -euo pipefail
@@ -46,7 +46,7 @@ link_package() {
   "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('resmlp.core') is None)" >/dev/null 2>&1 && return
   local shim="$ROOT/.resmlp_path/resmlp"
   mkdir -p "$shim"
-  for pair in core:core models:models data:data ssl:ssl eval:eval supervised:supervised bench:bench; do
+  for pair in core:core models:models data:data ssl:ssl eval:eval supervised:supervised; do
     ln -sfn "$ROOT/${pair#*:}" "$shim/${pair%%:*}"
   done
   export PYTHONPATH="$ROOT/.resmlp_path${PYTHONPATH:+:$PYTHONPATH}"
@@ -81,23 +81,6 @@ ensure_fashion_mnist() {
   fi
 }
 
-# `campaign` on a bare GPU machine (tools/campaign/README.md): the pure-Python wheels its
-# python3 lacks come carried in .whl/, Fashion-MNIST in .fmnist/ and the k-NN's baseline in
-# .baselines/ (`bash run.sh campaign-carry` makes them), the last call's report in
-# .campaign_report/ (the caller copies it there); the call's clock starts here, set-up included.
-campaign_setup() {
-  export RESMLP_CAMPAIGN_STARTED="${RESMLP_CAMPAIGN_STARTED:-$(date +%s)}"
-  local py="${RESMLP_PYTHON:-python3}" site="${TMPDIR:-/tmp}/resmlp-wheels"
-  if [ -d "$ROOT/.whl" ] && ! deps_import "$py"; then
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-    deps_import "$py" || "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" "$ROOT"/.whl/*.whl >&2 || { say "could not install .whl/*.whl into $site with $py"; exit 2; }
-  fi
-  if ls "$ROOT"/.fmnist/*-ubyte.gz >/dev/null 2>&1; then
-    export RESMLP_FMNIST_SEARCH="$ROOT/.fmnist${RESMLP_FMNIST_SEARCH:+:$RESMLP_FMNIST_SEARCH}"
-  fi
-}
-
 # OpenMP threads that spin while waiting steal the cores from data-loader workers and
 # other processes: on a busy 2-core machine a CPU DINO step ran 4x slower. Sleep instead.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
@@ -109,29 +92,14 @@ case "$cmd" in
     # run.sh's own: tools of this repository for measuring it, not commands of the package
     cat <<'EOF'
 
-run.sh also runs (tools of this repository, not of the installed package):
+run.sh also runs (tools of this repository in tools/, not of the installed package):
+  bench <model>            GPU/CPU throughput benchmarks (tools/bench/NOTES.md)
   campaign                 this project's GPU measurement, one resumable call after another (tools/campaign/README.md)
   campaign-carry           make .whl/, .fmnist/ and .baselines/: what a bare GPU machine needs for campaign
 EOF
     exit 0 ;;
-  campaign) campaign_setup ;;
-  campaign-carry)
-    # Here, online: the three wheels, the four Fashion-MNIST files and the k-NN's baseline (c11c829's
-    # eval/knn_search.py, campaign.gpu.knn_baseline) a GPU machine gets by
-    # `carry: [".whl", ".fmnist", ".baselines", ".campaign_report"]` (all ignored by git; about 30 MB).
-    mkdir -p "$ROOT/.whl" "$ROOT/.fmnist" "$ROOT/.baselines"
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$ROOT/.whl" omegaconf==2.3.1 lightly==1.6.0
-    python3 -m pip wheel -q --no-deps -w "$ROOT/.whl" antlr4-python3-runtime==4.9.3  # an sdist on PyPI: pure Python
-    fmnist="${RESMLP_FMNIST_DIR:-/usr/share/datasets/fashion-mnist}"
-    cp "$fmnist"/*-ubyte.gz "$ROOT/.fmnist/" || { say "no Fashion-MNIST .gz files in $fmnist: set RESMLP_FMNIST_DIR"; exit 2; }
-    git -C "$ROOT" show c11c829:eval/knn_search.py >"$ROOT/.baselines/knn_search_c11c829.py.tmp" \
-      || { rm -f "$ROOT/.baselines/knn_search_c11c829.py.tmp"
-           say "git cannot show c11c829:eval/knn_search.py: run campaign-carry in a clone with its history"; exit 2; }
-    mv "$ROOT/.baselines/knn_search_c11c829.py.tmp" "$ROOT/.baselines/knn_search_c11c829.py"
-    ls -l "$ROOT/.whl" "$ROOT/.fmnist" "$ROOT/.baselines" >&2
-    exit 0 ;;
+  campaign) . "$ROOT/tools/campaign/setup.sh" ;;   # before a Python is picked: it may install the carried wheels
+  campaign-carry) shift; exec bash "$ROOT/tools/campaign/carry.sh" "$@" ;;
   test)
     shift; choose_python
     ensure_fashion_mnist
@@ -157,10 +125,10 @@ case "$cmd" in dino|knn|linear|viz|supervised|distill|finetune|compare|data) ens
 # python -m would put the caller's folder first on the import path: a file of theirs named
 # like a module (yaml.py, a datasets/ package) must not replace it.
 export PYTHONSAFEPATH=1
-if [ "$cmd" = campaign ]; then
-  # a tool for measuring this project, not a command of the package: it lives in tools/
+if [ "$cmd" = bench ] || [ "$cmd" = campaign ]; then
+  # tools for measuring this project, not commands of the package: they live in tools/
   shift; export PYTHONPATH="$ROOT/tools${PYTHONPATH:+:$PYTHONPATH}"
-  exec "$PY" -m campaign "$@"
+  exec "$PY" -m "$cmd" "$@"
 fi
 
 NPROC="${NPROC_PER_NODE:-1}"; NNODES="${NNODES:-1}"

@@ -96,7 +96,7 @@ class Cadence:
     seconds or more after the last line (slow steps still show progress; the ranks agree in
     the iteration's host-side all-reduce, beside the stop signal: see agree); extra checkpoints every
     cfg.ckpt_every iterations inside an epoch, and at the end of every cfg.ckpt_epochs-th
-    epoch and the last (a write costs seconds for a large head: bench/checkpoint_cost.py); evaluations
+    epoch and the last (a write costs seconds for a large head: tools/bench/checkpoint_cost.py); evaluations
     every cfg.eval_every epochs except the last (the trainer's final report covers it).
     A read that finds a non-finite loss stops the run before anything is saved. A stop
     signal (core.preempt) ends the run after the current iteration with a checkpoint of
@@ -122,8 +122,8 @@ class Cadence:
         self.results, self.state = results, state
         self.log_every, self.ckpt_every = int(cfg.log_every), int(cfg.ckpt_every)
         self.eval_every = int(plan.get("eval_every", cfg.eval_every))
-        self.ckpt_epochs = int(plan.get("ckpt_epochs", cfg.get("ckpt_epochs", 1)))
-        self.log_every_s = float(cfg.get("log_every_s", 0) or 0)
+        self.ckpt_epochs = int(plan.get("ckpt_epochs", cfg.ckpt_epochs))
+        self.log_every_s = float(cfg.log_every_s)
         self.clock = time.monotonic  # the log's clock (a test swaps in its own)
         self.logged_at = self.clock()
         self.tally = tally if tally is not None else DeviceTally()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from resmlp.core import preempt
 from resmlp.core.checkpoint import TRUST_KEY, check_writable, trusting
-from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError
+from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError, out_of_memory
 from resmlp.core.outdir import check_cache_dir, check_out_dir, shown
 from resmlp.core.weights import FORMS, WeightsSpec
 
@@ -31,7 +31,7 @@ class Command:
     # config sections or keys the command does not read, and why (an evaluator's model comes
     # from its checkpoint): naming one on the command line is an error, not a silent no-op
     ignores: dict = field(default_factory=dict)
-    # the YAML of its keys when it is not configs/method/<name>.yaml (a tool's, e.g. tools/campaign)
+    # the YAML of its keys when it is not configs/method/<name>.yaml (a tool's, e.g. tools/bench)
     method: str = ""
 
 
@@ -63,6 +63,10 @@ COMMANDS = {
                    "patch PCA", "checkpoint", {"key": "features.key", "k": "viz.k"},
                    writes="resmlp.eval.viz:results_dir", ignores={**FROM_CHECKPOINT, "knn.k": "its k is viz.k (k=)",
                             "knn.temperature": "the neighbours grid has no votes to weigh"}),
+    "embed": Command("resmlp.eval.embed:run", "the features of every image: safetensors rows, an index, a card",
+                     "checkpoint", {"key": "features.key"}, writes="resmlp.eval.embed:results_dir",
+                     ignores={**FROM_CHECKPOINT, **NO_KNN, **{f"features.{k}": "it writes embeddings, no feature cache"
+                                                              for k in ("cache", "cache_dir", "memory_gb")}}),
     "supervised": Command("resmlp.supervised.train:run", "supervised training from scratch", "model",
                           writes=RUN_DIR, ignores=NO_FEATURES),
     "distill": Command("resmlp.supervised.train:run", "DeiT hard (or soft) distillation from a teacher",
@@ -71,15 +75,13 @@ COMMANDS = {
                         "checkpoint", writes=RUN_DIR, ignores=NO_FEATURES),
     "compare": Command("resmlp.supervised.compare:run", "all training paths in one table", "model",
                        writes="resmlp.supervised.compare:compare_dir", ignores=NO_FEATURES),
-    "export": Command("resmlp.eval.export:run", "a backbone for timm / the official code / safetensors",
-                      "checkpoint", {"format": "export.format", "key": "features.key"},
+    "export": Command("resmlp.eval.export:run", "a backbone for timm / the Hub / ONNX / the official code",
+                      "checkpoint", {"format": "export.format", "key": "features.key", "opset": "export.opset"},
                       writes="resmlp.eval.export:results_dir",
                       ignores={**FROM_CHECKPOINT, **NO_KNN, **{f"features.{k}": "it extracts no features"
                                                                for k in ("batch_size", "cache", "cache_dir")}}),
     "data": Command("resmlp.data.inspect:run", "what a dataset holds (data=..., data.check=true, data.preview=N)",
                     writes="resmlp.data.inspect:results_dir", ignores=NO_WEIGHTS),
-    "bench": Command("resmlp.bench.bench:run", "GPU/CPU throughput benchmarks", "model",
-                     writes="resmlp.bench.bench:results_dir", ignores=NO_WEIGHTS),
 }
 
 
@@ -118,7 +120,7 @@ def check_model(name: str, command: str) -> None:
     if name in model_names():
         return
     import timm
-    if command in ("supervised", "distill", "compare", "bench") and timm.is_model(name):
+    if command in ("supervised", "distill", "compare") and timm.is_model(name):
         return  # any timm architecture can be trained with the supervised recipe
     raise UserError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
                     + (" (or any timm model name)" if command in ("supervised", "distill") else ""))
@@ -162,11 +164,8 @@ def build(argv: list[str], commands: dict = COMMANDS):
     check_read(name, cmd, rest)
     model, base, extra = None, None, []
     if cmd.positional == "model":
-        model = positional or next((a.split("=", 1)[1] for a in rest if a.startswith("model=")), None)
-        if model is None and name != "bench":  # bench without a model runs its profile's list
-            model = "resmlp_s12"
-        if model is not None:
-            check_model(model, name)
+        model = positional or next((a.split("=", 1)[1] for a in rest if a.startswith("model=")), "resmlp_s12")
+        check_model(model, name)
     elif cmd.positional == "checkpoint":
         if positional is None:
             raise UserError(f"`{name}` needs a checkpoint: bash run.sh {name} {FORMS}")
@@ -225,22 +224,12 @@ def unwrap_user_error(e: BaseException) -> UserError | None:
     return None
 
 
-def out_of_memory(e: BaseException) -> str | None:
-    """The first line of torch's allocation failure (CUDA's OutOfMemoryError, or the CPU
-    allocator's RuntimeError), None for any other error. By name and text: the CLI does not
-    import torch before it has to."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
-        return text
-    return None
-
-
 def main(argv: list[str] | None = None, run=None, commands: dict | None = None) -> int:
     """The CLI. `run`: an entry `run(cfg)` to use in place of the command's own (a study's
     trainer with its extension points, studies/); the config, errors and exit codes stay
     the command's. `commands`: more commands beside the package's ({name: Command}), for a
-    tool of the repository that borrows the command line (tools/campaign); the package's
-    help lists only its own."""
+    tool of the repository that borrows the command line (tools/bench, tools/campaign); the
+    package's help lists only its own."""
     argv = sys.argv[1:] if argv is None else argv
     table = {**COMMANDS, **(commands or {})}
     try:

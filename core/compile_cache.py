@@ -15,33 +15,47 @@ starts from (dino.init, checkpoint=), and a checkpoint holds no compile artifact
 
 Which: the folder keeps one cache per key (`cache_key`: the device, torch, Triton, Python,
 and every setting that shapes the compiled graphs), as <id>.bin (torch's bytes) and <id>.json
-(the key, the bytes' sha256 and what they hold), <id> a hash of the key. A folder with caches
-of other keys only, or a cache that does not match its record (cut short, damaged), is one
-line and a start that compiles as it would without a cache, then saves its own: never fatal.
-Torch's own keys (the graph, its inputs, Inductor's settings and version, the device) decide
-whether a loaded graph is used, so a cache cannot put a wrong kernel into a run; this key
+(the key, the bytes' sha256, what they hold and the user's signature), <id> a hash of the key.
+A folder with caches of other keys only, or a cache that does not match its record (cut
+short, damaged), is one line and a start that compiles as it would without a cache, then
+saves its own. Among the caches this user saved, torch's own keys (the graph, its inputs,
+Inductor's settings and version, the device) decide whether a loaded graph is used; this key
 picks the file to read, and names why none fits.
+
+Whose: a compile cache is code (torch unpickles its entries and runs their kernels), so only
+a cache signed with the user's own secret, in files and a folder no one else can write, and
+whose artifacts' keys all name files inside torch's caches, is handed to torch: anything
+else is one line and a start that compiles afresh (core/cache_trust.py says how and why).
 
 When: after the run's first log line (its step has compiled every graph by then), and after
 a later log line only when torch recorded new compilations since (dino.init's head warm-up
 compiles its frozen-backbone graphs first, the others when it ends): a flag read otherwise,
-no I/O. Rank 0 writes (atomically: core.checkpoint.atomic_write); every process loads, since
-each fills its own on-disk caches.
+no I/O. Rank 0 writes (a temp file renamed into place: core.checkpoint.atomic_write); every
+process of rank 0's key loads, since each fills its own on-disk caches; a process whose key
+is not rank 0's (another kind of GPU) says so and compiles without a cache.
+
+Never fatal: a save or load that fails in any way (torch raising, an unwritable folder, a
+full disk, a damaged file) is one `warning:` line and the run goes on, uncached.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
+import os
 import platform
+import stat
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from resmlp.core import dist
+from resmlp.core.cache_trust import (SECRET_FIX, Refused, SecretRefused, artifact_keys, exposed, path_like,
+                                     read_own, signature, signed_with, user_secret)
 from resmlp.core.checkpoint import atomic_write
+from resmlp.core.dist import cpu_model
 from resmlp.core.errors import RunFailed
 
 FOLDER_NAME = "compile_cache"   # in the run dir, where compile_cache_dir is null
@@ -89,18 +103,7 @@ def device_model(device: torch.device) -> str:
     """The GPU's name, or "cpu: " and the CPU's model (Inductor's C++ targets its instruction set)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu: {_cpu_model()}"
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return f"cpu: {cpu_model()}"
 
 
 def _triton_version() -> str | None:
@@ -125,6 +128,11 @@ def differences(theirs: dict, ours: dict) -> list[str]:
     """'field: theirs -> ours' for every field of two keys that differs, nested ones dotted."""
     from resmlp.core.run_folder import config_differences
     return config_differences(theirs, ours, keys=sorted(set(theirs) | set(ours)), skip=())
+
+
+def _first_of(diffs: list[str]) -> str:
+    """The first of a key's differences, and how many more."""
+    return diffs[0] + (f" and {len(diffs) - 1} more" if len(diffs) > 1 else "")
 
 
 def _held(info) -> set:
@@ -178,10 +186,15 @@ def _new_compilations() -> bool:
         return True
 
 
+NOT_YOURS = "compile cache: not written by you on this account: ignored, compiling afresh"
+RECORD_LIMIT = 2**20   # a record holds a key and a few numbers
+
+
 class CompileCache:
     """One key's cache in `folder`: `load()` before the first compilation, `save()` after the
     log lines (see the module's docstring). `say` prints a line (the run's rank 0 print);
-    `writer`: this process saves (rank 0)."""
+    `writer`: this process saves (rank 0). Neither ever ends the run: a cache that cannot be
+    trusted, read or written is one line, and the run compiles as it would without one."""
 
     def __init__(self, folder, key: dict, say=print, writer: bool = True):
         self.folder, self.key, self.say, self.writer = Path(folder), key, say, writer
@@ -191,33 +204,47 @@ class CompileCache:
         self.loaded: dict = {}      # what load() put into torch's caches: {kind: count}
 
     def load(self) -> dict:
-        """Put this key's cache into torch's caches; one line says what happened. Returns
-        {kind of artifact: count} loaded (empty: none)."""
-        if self.folder.exists() and not self.folder.is_dir():
-            self.say(f"compile cache: {self.folder} is not a folder: nothing read or saved there; "
-                     "set compile_cache_dir to a folder")
+        """Put this key's cache into torch's caches, if this user signed it; one line says
+        what happened. Returns {kind of artifact: count} loaded (empty: none)."""
+        try:
+            return self._load()
+        except Exception as e:  # a folder that cannot be looked at (a parent that is a file, no access)
+            self.say(f"warning: compile cache: {self.folder} cannot be read ({_cause(e)}): compiling afresh")
+            return {}
+
+    def _load(self) -> dict:
+        refused = self._folder_refused()
+        if refused:
+            self.say(refused)
             self.writer = False
             return {}
-        if not self.record.exists():
+        if not os.path.lexists(self.record):
             self.say(self._none_here())
             return {}
-        problem = None
         try:
-            record = json.loads(self.record.read_text())
-            if not isinstance(record, dict) or record.get("key") != self.key:
-                raise ValueError("its key is not this run's")
-            data = self.bin.read_bytes()
-            if len(data) != record.get("bytes") or hashlib.sha256(data).hexdigest() != record.get("sha256"):
-                raise ValueError(f"{self.bin.name} holds {len(data)} bytes, not the {record.get('bytes')} it was "
-                                 "saved with, or other ones")
+            data = self._verified()
+        except _NotYours:
+            self.say(NOT_YOURS)
+            return {}
+        except SecretRefused as e:
+            self.say(f"compile cache: {e}: nothing loaded or saved, compiling afresh; {SECRET_FIX}")
+            self.writer = False
+            return {}
+        except Refused as e:
+            self.say(f"compile cache: {e}: refused (a compile cache is code), compiling afresh; this run saves its "
+                     "own in its place")
+            return {}
+        except Exception as e:  # whatever a damaged cache raises: one line, never the run's end
+            self.say(f"warning: compile cache: {self.record} is unreadable or damaged ({_cause(e)}): ignored; "
+                     "the first iteration compiles and replaces it")
+            return {}
+        try:
             with _torch_warnings_off("torch.compiler._cache"):  # its traceback of bytes it cannot read: our line says it
                 info = torch.compiler.load_cache_artifacts(data)
             if info is None:
                 raise ValueError("torch could not read its artifacts")
-        except Exception as e:  # whatever a damaged cache makes torch raise: one line, never the run's end
-            problem = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        if problem:
-            self.say(f"compile cache: {self.record} is unreadable or damaged ({problem}): ignored; the first "
+        except Exception as e:
+            self.say(f"warning: compile cache: torch could not load {self.bin} ({_cause(e)}): ignored; the first "
                      "iteration compiles and replaces it")
             return {}
         self.held, self.loaded = _held(info), _counts(info)
@@ -225,29 +252,77 @@ class CompileCache:
                  f"({', '.join(f'{k} {n}' for k, n in self.loaded.items())}) from {self.bin}")
         return self.loaded
 
+    def _verified(self) -> bytes:
+        """The cache's bytes, where this user signed them and every key names a file inside
+        torch's caches: _NotYours (no secret, no signature, another's), Refused (a link,
+        another's file, a path-like key) or another error (damage) otherwise."""
+        record = json.loads(read_own(self.record, RECORD_LIMIT))
+        if not isinstance(record, dict) or record.get("key") != self.key:
+            raise ValueError("its key is not this run's")
+        secret = user_secret(create=False)
+        if secret is None or not signed_with(secret, record):
+            raise _NotYours
+        size = record.get("bytes")
+        data = read_own(self.bin, size if isinstance(size, int) and size >= 0 else 0)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != record.get("sha256"):
+            raise ValueError(f"{self.bin.name} holds {len(data)} bytes, not the {size} it was saved with, or other ones")
+        _check_keys(data, self.bin)
+        return data
+
+    def _folder_refused(self, make: bool = False) -> str | None:
+        """The line for a cache folder this user cannot trust (or None): a file, another's
+        folder, one others can write to. `make`: create it first, writable by the user alone."""
+        if make:
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        try:
+            st = os.stat(self.folder)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return (f"compile cache: {self.folder} is not a folder: nothing read or saved there; "
+                    "set compile_cache_dir to a folder")
+        why = exposed(st, folder=True)
+        return why and (f"compile cache: {self.folder} {why}: nothing read or saved there, compiling afresh; a compile "
+                        "cache is code: set compile_cache_dir to a folder of yours that only you can write to")
+
     def _none_here(self) -> str:
         """The line for a folder without this key's cache: the nearest other key's differences,
         or that there is none yet."""
         others = []
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else ():
             try:
-                theirs = json.loads(path.read_text()).get("key")
-            except (OSError, ValueError, AttributeError):
+                theirs = json.loads(read_own(path, RECORD_LIMIT)).get("key")
+            except (OSError, ValueError, AttributeError, Refused):
                 continue
             if isinstance(theirs, dict):
                 others.append(differences(theirs, self.key))
         if not others:
             return f"compile cache: none in {self.folder} yet; the first iteration compiles, then saves it there"
-        diffs = min(others, key=len)
-        more = f" and {len(diffs) - 1} more" if len(diffs) > 1 else ""
-        return (f"compile cache: {self.folder} holds caches for other settings only (the nearest: {diffs[0]}{more}): "
+        return (f"compile cache: {self.folder} holds caches for other settings only (the nearest: "
+                f"{_first_of(min(others, key=len))}): "
                 "ignored; the first iteration compiles, then saves one for these beside them")
 
     def save(self) -> bool:
-        """Write what torch compiled, where it holds artifacts the file does not (rank 0).
-        A write the disk refuses is a warning: the run goes on uncached. Returns whether it wrote."""
+        """Write what torch compiled, signed, where it holds artifacts the file does not
+        (rank 0). Any failure (torch's, the disk's, the secret's) is one warning and no later
+        save: the run goes on, and its next start compiles again. Returns whether it wrote."""
         if not self.writer or not _new_compilations():
             return False
+        try:
+            return self._save()
+        except Exception as e:
+            self.writer = False
+            if isinstance(e, RunFailed):   # atomic_write's line: the file, the cause, what to do
+                self.say(f"warning: {e} (the run goes on; its next start compiles again)")
+            elif isinstance(e, Refused):
+                fix = f"; {SECRET_FIX}" if isinstance(e, SecretRefused) else ""
+                self.say(f"warning: compile cache: not saved: {e}{fix} (the run goes on; its next start compiles again)")
+            else:
+                self.say(f"warning: compile cache: not saved ({_cause(e)}): the run goes on; its next start "
+                         "compiles again")
+            return False
+
+    def _save(self) -> bool:
         out = torch.compiler.save_cache_artifacts()
         if out is None:
             return False
@@ -255,22 +330,49 @@ class CompileCache:
         held = _held(info)
         if held <= self.held:
             return False
-        data = _one_batch_per_kind(data)
-        record = {"key": self.key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                  "artifacts": _counts(info)}
-        then = "free some space or set compile_cache_dir to another folder"
-        try:  # the bytes first: a record names only bytes that are complete on disk
-            with atomic_write(self.bin, what="the compile cache", then=then) as f:
-                f.write(data)
-            with atomic_write(self.record, "w", what="the compile cache's record", then=then) as f:
-                json.dump(record, f, indent=1)
-        except RunFailed as e:
-            self.say(f"warning: {e} (the run goes on; its next start compiles again)")
+        refused = self._folder_refused(make=True)
+        if refused:
+            self.say(refused)
             self.writer = False
             return False
+        data = _one_batch_per_kind(data)
+        _check_keys(data, "torch's new artifacts")   # what a later start would refuse is not saved
+        digest = hashlib.sha256(data).hexdigest()
+        record = {"key": self.key, "bytes": len(data), "sha256": digest, "artifacts": _counts(info),
+                  "signature": signature(user_secret(create=True), self.key, digest)}
+        then = "free some space or set compile_cache_dir to another folder"
+        # the bytes first: a record names only bytes that are complete on disk. The folder is
+        # this user's own (checked above): a link in a file's place goes, its target untouched,
+        # and each file is a new one renamed over the old (atomic_write refuses links)
+        for path in (self.bin, self.record):
+            if path.is_symlink():
+                path.unlink()
+        with atomic_write(self.bin, what="the compile cache", then=then) as f:
+            f.write(data)
+        with atomic_write(self.record, "w", what="the compile cache's record", then=then) as f:
+            json.dump(record, f, indent=1)
         self.held = held
         self.say(f"compile cache: saved {len(held)} compiled artifacts ({len(data) / 2**20:.1f} MiB) to {self.bin}")
         return True
+
+
+class _NotYours(Exception):
+    """A cache this user's secret did not sign."""
+
+
+def _check_keys(data: bytes, where) -> None:
+    """Refused where an artifact's key could name a file outside torch's caches."""
+    for kind, key in artifact_keys(data):
+        if path_like(kind, key):
+            raise Refused(f"{where} holds an artifact whose key is a path ({kind}: {key!r})")
+
+
+def _cause(e: BaseException) -> str:
+    """An error's first line, with its type where its text alone would not say what it is."""
+    text = getattr(e, "strerror", None) or next(iter(str(e).strip().splitlines()), "")
+    if isinstance(e, (OSError, ValueError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class _Off:
@@ -284,12 +386,19 @@ class _Off:
 def open_compile_cache(cfg, run, nets, graphs: bool = False, crops: str | None = None):
     """The trainers' hook, after the step is built and before its first iteration: the
     cache of this run's key, loaded (a CompileCache), or one that does nothing where `nets`
-    (the trained networks) are not compiled. `run`: the core.run.Run."""
+    (the trained networks) are not compiled. `run`: the core.run.Run. Every process calls it
+    (a sync point: rank 0's key goes to the others)."""
     compiled = compiled_how(*nets)
     if compiled is None:
         return _Off()
     precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[run.amp_dtype]
     key = cache_key(cfg, run.device, precision, run.batch_per_rank, run.world_size, compiled, graphs, crops)
     cache = CompileCache(cache_folder(cfg, run.dir), key, say=run.print, writer=run.is_main)
+    leader = dist.broadcast_object(key)   # rank 0's: the only key anyone saves
+    if key_id(leader) != cache.id:   # a process on another kind of GPU (or CPU) than rank 0's
+        print(f"rank {run.rank}: compile cache: this process's key is not rank 0's "
+              f"({_first_of(differences(leader, key))}), and rank 0 "
+              "alone saves: this process compiles without a cache", flush=True)
+        return cache
     cache.load()
     return cache

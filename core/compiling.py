@@ -4,15 +4,17 @@ across the depth) or whole, and which of the two a run takes.
 The words (auto | true | false | regions | whole) are `compile`'s limits in
 configs/defaults.yaml. `compile_form` turns the word into a form for one run:
 - auto: compiled where a GPU bench showed the step faster compiled (`MEASURED`), on a CUDA
-  GPU only; elsewhere eager, with one line that says why;
+  GPU only (`measured_here`); elsewhere eager, with one line that says why;
 - true: compiled, on any device, in the form the measurements favour for the run;
 - regions, whole: that form, as asked; false: eager.
-`StepPath` is the answer a trainer prints in its first lines and keeps in results.json.
+`StepPath` is the answer a trainer prints in its first lines and keeps in results.json; where
+the fast path fails at run time and a trainer falls back (ssl/fallback.py), the path it takes
+then, with the line that said why (`fell_back`).
 
 Regional compilation. Compiling a whole network traces, lowers and schedules every one of
 its blocks, once per crop size: the DINO step's student sees two (global and local crops)
 and its teacher one, so a 12-block ResMLP was 36 block copies for Inductor before the first
-iteration (bench/NOTES.md, "Issue 34 part 3", has what that cost). The blocks of a network
+iteration (tools/bench/NOTES.md, "Issue 34 part 3", has what that cost). The blocks of a network
 run the same code on parameters of the same shapes, and Dynamo treats a module's parameters
 as inputs of its graph, so it compiles a block's forward once per kind of call and reuses
 it for every block: per distinct input shape, grad mode and requires_grad of the
@@ -49,6 +51,7 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.config import check_choice
+from resmlp.core.errors import causes, raised_in
 
 # The trainers whose step a GPU bench has timed compiled, and the form that ran fastest with
 # the step as one CUDA graph and without (docs/bench/h100-2026-11-27: by region and graphed,
@@ -57,6 +60,14 @@ from resmlp.core.config import check_choice
 # compiled on a GPU and stays eager under auto. Anywhere else compile=true compiles by region.
 MEASURED = {"dino": {"graphed": "regions", "ungraphed": "whole"}}
 HOW = {"regions": "blocks compiled by region", "whole": "networks compiled whole", None: "eager"}
+# The modules whose errors are a compiler's (compiler_error)
+COMPILERS = ("torch._dynamo", "torch._inductor", "torch._functorch", "triton")
+
+
+def measured_here(device) -> bool:
+    """Whether `device` is of the kind the MEASURED forms were timed on (a CUDA GPU): where
+    compile=auto compiles. The fallback tests make a CPU take that path by replacing this."""
+    return torch.device(device).type == "cuda"
 
 
 def compile_form(value, device, command: str, graphed: bool = False) -> tuple[str | None, str | None]:
@@ -66,7 +77,7 @@ def compile_form(value, device, command: str, graphed: bool = False) -> tuple[st
     check_choice("compile", value)   # a value handed in by code, not only by load_config
     if value is False:
         return None, "compile off: compile=false"
-    cuda = torch.device(device).type == "cuda"
+    cuda = measured_here(device)
     measured = MEASURED.get(command)
     if value == "auto" and not cuda:
         return None, "compile off: auto compiles on a CUDA GPU (compile=true compiles here too)"
@@ -86,18 +97,26 @@ class StepPath:
     compile: str | None
     cuda_graphs: bool | None = None
     off: tuple = ()
+    fell_back: tuple = ()   # the `path:` lines of the fallbacks that led here (ssl/fallback.py)
+
+    def describe(self) -> str:
+        """How the step runs, in words: "blocks compiled by region, the step as one CUDA graph"."""
+        graphs = "" if self.cuda_graphs is None else \
+            ", the step as one CUDA graph" if self.cuda_graphs else ", not graphed"
+        return HOW[self.compile] + graphs
 
     def lines(self) -> list[str]:
         """The run's first lines: the path, then one line per part that is off."""
-        graphs = "" if self.cuda_graphs is None else \
-            ", the step as one CUDA graph" if self.cuda_graphs else ", not graphed"
-        return [f"path: {HOW[self.compile]}{graphs}", *self.off]
+        return [f"path: {self.describe()}", *self.off]
 
     def record(self) -> dict:
-        """results.json's `path`: what was chosen (config.yaml keeps what was asked)."""
+        """results.json's `path`: what was chosen (config.yaml keeps what was asked), and the
+        fallbacks' lines where the run fell back to it."""
         out = {"compile": self.compile or False}
         if self.cuda_graphs is not None:
             out["cuda_graphs"] = self.cuda_graphs
+        if self.fell_back:
+            out["fell_back"] = list(self.fell_back)
         return out
 
 
@@ -121,7 +140,11 @@ def compile_regions(net: nn.Module) -> list[nn.Module]:
 
 def compile_as(net: nn.Module, form: str | None) -> list[nn.Module]:
     """Compile `net` in place in `form` (compile_form's): by region, whole, or not at all
-    (None). Returns the modules compiled."""
+    (None), undoing any earlier form first (a trainer that falls back from one form to
+    another). Returns the modules compiled."""
+    for module in net.modules():
+        if module._compiled_call_impl is not None:   # nn.Module.compile's own slot: eager again
+            module._compiled_call_impl = None
     if form is None:
         return []
     targets = (regions(net) or [net]) if form == "regions" else [net]
@@ -154,3 +177,24 @@ def compiled(fn):
     DINO step compiles besides the blocks (compile=true): its heads (ssl/networks.py) and
     its loss (ssl/loss.py)."""
     return torch.compile(fn, dynamic=False)
+
+
+def compiler_error(error: BaseException) -> bool:
+    """Whether a compiler raised `error` (or what it was raised from): an exception type of
+    Dynamo, Inductor, AOTAutograd or Triton (Dynamo's BackendCompilerFailed wraps the
+    backend's own), or one raised inside their code (a Triton kernel's launch). What a run
+    under compile=auto falls back from (ssl/fallback.py, the device augmentation)."""
+    for e in causes(error):
+        parts = raised_in(e)
+        if type(e).__module__.startswith(COMPILERS) or "triton" in parts or \
+                ("torch" in parts and any(p in parts for p in ("_dynamo", "_inductor", "_functorch"))):
+            return True
+    return False
+
+
+def first_line(error: BaseException) -> str:
+    """'RuntimeError: its first line', of the backend's own error where Dynamo wrapped it."""
+    inner = getattr(error, "inner_exception", None)
+    error = inner if isinstance(inner, BaseException) else error
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

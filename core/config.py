@@ -285,7 +285,7 @@ def recipe_setting(cfg: DictConfig, key: str) -> str | None:
 def _recipes_wanted(cfg: DictConfig, overrides: list[str], command: str, data: str) -> tuple[list[str], list[str]]:
     """(the recipes to merge, the overrides but recipe=): auto (the default) is the file
     <command>_<data> where it exists, none is no recipe; else a recipe's name or a list of them."""
-    value = _given(overrides, "recipe", cfg.get("recipe", "auto"))
+    value = _given(overrides, "recipe", cfg.recipe)
     rest = [o for o in overrides if _key_of(o) != "recipe"]
     known = available("recipe")
     if value == "auto":
@@ -622,8 +622,10 @@ def to_dict(cfg: DictConfig) -> dict:
 
 
 def save_config(cfg: DictConfig, path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, path, resolve=True)
+    """The resolved config as YAML, written atomically (never through a link at `path`)."""
+    from resmlp.core.checkpoint import atomic_write
+    with atomic_write(path, "w", what="the run's config") as f:
+        f.write(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def as_list(value) -> list:

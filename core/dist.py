@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
+import platform
 
 import torch
 import torch.distributed as dist
 
+from resmlp.core import device as gpu
 from resmlp.core.config import check_choice
 from resmlp.core.errors import Preempted, UserError
 
@@ -45,20 +48,39 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 # The autocast dtype each `precision` but auto names (fp32: none, the float32 weights' own).
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRECISIONS = {dtype: name for name, dtype in AMP_DTYPES.items()}
 
 
 def amp_dtype(precision: str, device) -> torch.dtype:
-    """`precision` -> its autocast dtype; auto: bf16 on a GPU, float32 on the CPU."""
+    """`precision` -> its autocast dtype. auto, the one place it is decided: bf16 on a GPU
+    that has it in hardware (core.device.has_bf16), fp16 on an older one (the trainers add
+    GradScaler, core.run.Run), float32 on the CPU."""
     check_choice("precision", precision)
-    if precision == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return AMP_DTYPES[precision]
+    if precision != "auto":
+        return AMP_DTYPES[precision]
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if gpu.has_bf16(device) else torch.float16
 
 
 def pick_device(requested: str = "auto") -> torch.device:
-    """`auto` takes this process's GPU when there is one, else the CPU."""
+    """`auto` takes this process's GPU when there is one, else the CPU. A GPU the installed
+    torch has no kernels for is refused here, before any work (core.device.arch_problem)."""
     check_choice("device", requested)
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
@@ -68,6 +90,9 @@ def pick_device(requested: str = "auto") -> torch.device:
     if local >= torch.cuda.device_count():
         raise UserError(f"this process is local rank {local} but the node has {torch.cuda.device_count()} "
                         "GPU(s): start at most one process per GPU (NPROC_PER_NODE), or pass device=cpu")
+    problem = gpu.arch_problem(local)
+    if problem:
+        raise UserError(problem)
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 

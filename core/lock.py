@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from resmlp.core.errors import UserError
+from resmlp.core.files import read_regular
 
 LOCK_NAME = "run.lock"
 
@@ -57,7 +58,7 @@ class RunLock:
     def holder(self) -> dict | None:
         """The holder's record; {} for a file that cannot be read; None without a lock."""
         try:
-            record = json.loads(self.path.read_text())
+            record = json.loads(read_regular(self.path))  # a FIFO put there is not waited on
         except FileNotFoundError:
             return None
         except (OSError, ValueError):

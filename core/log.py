@@ -1,6 +1,8 @@
 """A run's log: log.jsonl (one JSON line a record) and TensorBoard's scalars, written by
 rank 0. Its own file because it knows files and steps, not runs: `Run` (core/run.py) opens
-it, and a checkpoint keeps its size so that a resumed run cuts it back (rewind).
+it, and a checkpoint keeps its size so that a resumed run cuts it back (rewind). log.jsonl
+is opened without following a link (core/files.py: a run folder from elsewhere may hold one
+to a file outside it), and TensorBoard's folder is refused when it is a link.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from resmlp.core.files import open_nofollow, refuse_link
 
 
 class JsonlLogger:
@@ -24,7 +28,8 @@ class JsonlLogger:
         self.directory = directory
         if directory is None:
             return
-        self.file = open(directory / "log.jsonl", "w" if fresh else "a", buffering=1)
+        refuse_link(directory / "tb")
+        self.file = open_nofollow(directory / "log.jsonl", "w" if fresh else "a", buffering=1)
         self._open_tb(purge_step=0 if fresh and any((directory / "tb").glob("events.*")) else None)
 
     def _open_tb(self, purge_step: int | None = None) -> None:

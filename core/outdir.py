@@ -16,9 +16,7 @@ import os
 from pathlib import Path
 
 from resmlp.core.errors import UserError
-
-# Past these sizes a file is not a record of ours (and is not read whole to find out).
-RECORD_MAX_BYTES = 1 << 20
+from resmlp.core.files import RECORD_MAX_BYTES  # past it a file is not a record of ours (not read whole to find out)
 # How many entries of a folder are looked at for a record (a data set's millions are not).
 SCAN_ENTRIES = 1000
 # Where data sets' files are (dino's eval.root: its k-NN's labeled set): no output goes inside.
@@ -90,14 +88,14 @@ def _json(path: Path):
 
 def _run_config(path: Path, commands) -> bool:
     """A config.yaml a command of ours saved (its resolved config names the command)."""
+    from resmlp.core.plain_config import read_config_yaml
     if not _small(path):
         return False
-    import yaml
     try:
-        saved = yaml.safe_load(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError):
+        saved = read_config_yaml(path)
+    except UserError:
         return False
-    return isinstance(saved, dict) and saved.get("command") in commands
+    return saved.get("command") in commands
 
 
 def _our_checkpoint(path: Path) -> bool:
@@ -185,7 +183,7 @@ def check_out_dir(directory, cfg, commands, what: str) -> None:
         where = f"out={directory}" if cfg.out else f"{directory} (the default for {what}; pass out=)"
         raise UserError(f"{where} is inside {around}: the outputs would become part of the data set (an image "
                         "folder takes every folder in it for a class); choose an out= outside it")
-    if not cfg.out or cfg.get("out_ok", False):
+    if not cfg.out or cfg.out_ok:
         return
     foreign = foreign_entries(directory, commands)
     if foreign:
@@ -195,15 +193,21 @@ def check_out_dir(directory, cfg, commands, what: str) -> None:
                         "one it writes is replaced)")
 
 
+# The cache folders a user may name: what they hold is written there, never into a data set.
+CACHE_KEYS = ("features.cache_dir", "compile_cache_dir")
+
+
 def check_cache_dir(cfg) -> None:
-    """features.cache_dir, where given: a path the file system takes, outside the data roots."""
-    cache = cfg.get("features", {}).get("cache_dir")
-    if not cache:
-        return
-    problem = length_problem(cache)
-    if problem:
-        raise UserError(f"features.cache_dir={shown(cache)}: {problem}; choose a shorter one")
-    around = data_root_around(cache, cfg)
-    if around:
-        raise UserError(f"features.cache_dir={cache} is inside {around}: the cache would become part of the data "
-                        "set; choose a folder outside it")
+    """Each cache folder given (CACHE_KEYS): a path the file system takes, outside the data roots."""
+    from omegaconf import OmegaConf
+    for key in CACHE_KEYS:
+        cache = OmegaConf.select(cfg, key, default=None)
+        if not cache:
+            continue
+        problem = length_problem(cache)
+        if problem:
+            raise UserError(f"{key}={shown(cache)}: {problem}; choose a shorter one")
+        around = data_root_around(cache, cfg)
+        if around:
+            raise UserError(f"{key}={cache} is inside {around}: the cache would become part of the data "
+                            "set; choose a folder outside it")

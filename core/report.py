@@ -1,5 +1,7 @@
-"""The JSON files commands write (knn.json, an export's card, ...): plain values, written
-atomically so that a reader never sees half a file."""
+"""The files commands write beside their results (knn.json, an export's card, a report's
+table and figures): written atomically so that a reader never sees half a file, JSON of
+plain values; a history (evaluations.jsonl) appended to without following a link
+(core/files.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,7 @@ from pathlib import Path
 import torch
 
 from resmlp.core.checkpoint import atomic_write
+from resmlp.core.files import open_nofollow
 
 
 def json_safe(obj):
@@ -35,10 +38,7 @@ def json_safe(obj):
 
 def write_json(path: Path, obj) -> Path:
     """Atomic write of obj as indented JSON."""
-    with atomic_write(path, "w", what=f"the results ({Path(path).name})") as fh:
-        json.dump(json_safe(obj), fh, indent=2)
-        fh.write("\n")
-    return Path(path)
+    return write_text(path, json.dumps(json_safe(obj), indent=2) + "\n", what="the results")
 
 
 def append_json_line(path: Path, obj) -> Path:
@@ -46,6 +46,20 @@ def append_json_line(path: Path, obj) -> Path:
     the whole line, so that lines of two commands do not interleave."""
     line = json.dumps(json_safe(obj)) + "\n"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
+    with open_nofollow(path, "a") as fh:
         fh.write(line)
+    return Path(path)
+
+
+def write_figure(fig, path: Path, **savefig) -> Path:
+    """A matplotlib figure saved atomically, in the format its suffix names."""
+    with atomic_write(path, what="the figure") as fh:
+        fig.savefig(fh, format=Path(path).suffix.lstrip(".") or "png", **savefig)
+    return Path(path)
+
+
+def write_text(path: Path, text: str, what: str = "the report") -> Path:
+    """Atomic write of a text file (a figure's table, a report in Markdown)."""
+    with atomic_write(path, "w", what=f"{what} ({Path(path).name})") as fh:
+        fh.write(text)
     return Path(path)

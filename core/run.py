@@ -33,12 +33,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from resmlp.core import dist, preempt
-from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, UnsafeFile, load_checkpoint, save_checkpoint,
-                                    set_rng_state)
+from resmlp.core import device as gpu
+from resmlp.core.checkpoint import (CHECKPOINT_NAME, PREVIOUS_NAME, UnsafeFile, load_checkpoint, run_config,
+                                    save_checkpoint, set_rng_state)
 from resmlp.core.config import save_config, to_dict
-from resmlp.core.errors import Finished, RunFailed, UserError
+from resmlp.core.errors import Finished, RunFailed, UserError, causes
+from resmlp.core.files import read_regular, refuse_links_in
 from resmlp.core.lock import RunLock, release_all
 from resmlp.core.log import JsonlLogger
+from resmlp.core.plain_config import read_config_yaml
 from resmlp.core.report import write_json
 from resmlp.core.run_folder import (INPUTS_NAME, config_differences, input_changed, other_run, record_inputs,
                                     run_dir, settings_differences, started_from)
@@ -60,7 +63,9 @@ class Run:
 
     The run directory (its lock, config.yaml, logs) is created only by `open()`, which
     `restore` calls once the trainer has built its data and networks: a command that
-    fails its checks leaves nothing behind.
+    fails its checks leaves nothing behind. An existing one may be someone else's: a
+    symbolic link among its entries is refused before anything in it is read or written
+    (core/files.py), and its config.yaml is read as plain data (core/plain_config.py).
     """
 
     def __init__(self, cfg: DictConfig):
@@ -87,6 +92,7 @@ class Run:
         self.dir = run_dir(cfg)
         self.ckpt_path, self.prev_path = self.dir / CHECKPOINT_NAME, self.dir / PREVIOUS_NAME
         self.lock = RunLock(self.dir)
+        refuse_links_in(self.dir)  # a folder from elsewhere: nothing is written through a link in it
         self._checked_resume = self._check_run_dir()
         self._agree(self.lock.problem)  # a live run holds the directory: stop before any work
         if self._checked_resume:
@@ -100,6 +106,11 @@ class Run:
         self.cadence = None  # the loop's Cadence (core/cadence.py), once made (its timing goes into results.json)
 
     # ---- setup -------------------------------------------------------------------------
+    def start_lines(self, path) -> list[str]:
+        """The run's first lines: its device, the device's memory and the precision, then
+        how its step runs (`path`, a core.compiling.StepPath)."""
+        return [*device_lines(self.device, self.world_size, str(self.cfg.precision), self.amp_dtype), *path.lines()]
+
     def _precision(self, precision: str):
         dtype = dist.amp_dtype(precision, self.device)
         if dtype == torch.float16 and self.device.type != "cuda":
@@ -147,8 +158,8 @@ class Run:
         if self.cfg.resume == "never":
             raise UserError(f"{self.dir} already holds a checkpoint; pass resume=auto to continue it, "
                             "or out=<another dir>")
-        saved = OmegaConf.to_container(OmegaConf.load(saved_cfg)) if saved_cfg.exists() else \
-            self._latest_checkpoint(quiet=True)[0].get("config", {})
+        saved = read_config_yaml(saved_cfg) if saved_cfg.exists() else \
+            run_config(self._latest_checkpoint(quiet=True)[0]) or {}
         current = to_dict(self.cfg)
         diffs = config_differences(saved, current)
         if diffs:
@@ -183,7 +194,7 @@ class Run:
         is refused, naming the first difference and a folder beside it. More epochs than it
         ran continue its training."""
         try:
-            done = json.loads((self.dir / "results.json").read_text())
+            done = json.loads(read_regular(self.dir / "results.json"))
         except (OSError, ValueError):
             return  # no results yet: the run (or its final evaluation) goes on
         if not isinstance(done, dict) or int(done.get("epochs") or 0) < int(self.cfg.epochs):
@@ -294,8 +305,9 @@ class Run:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def finish(self, results: dict) -> dict:
-        results = {"wall_time_s": round(time.time() - self.started, 1),
-                   "device": device_name(self.device), "world_size": self.world_size, **results}
+        results = {"wall_time_s": round(time.time() - self.started, 1), "device": device_name(self.device),
+                   "precision": dist.PRECISIONS[self.amp_dtype or torch.float32], "world_size": self.world_size,
+                   **results}
         if self.cadence is not None and "timing" not in results:
             results["timing"] = self.cadence.timing_report()
         self.open()
@@ -317,8 +329,10 @@ def command(train):
                 try:
                     with preempt.watch(ctrl_c=True):
                         train(cfg)
-                except torch.OutOfMemoryError:  # read while the process group still says its size
-                    raise UserError(out_of_memory_message(cfg)) from None
+                except Exception as e:  # noqa: BLE001 - the GPU's out of memory (also under a failed capture's error)
+                    if not any(isinstance(c, torch.OutOfMemoryError) for c in causes(e)):
+                        raise
+                    raise UserError(out_of_memory_message(cfg)) from None  # read while the group still says its size
                 except KeyboardInterrupt:  # a second Ctrl-C (core.preempt)
                     raise KeyboardInterrupt(f"stopped at once by a second Ctrl-C; the same command continues from "
                                             f"the last checkpoint in {run_dir(cfg)}, if there is one") from None
@@ -329,11 +343,27 @@ def command(train):
 
 
 def out_of_memory_message(cfg) -> str:
+    """What to change when a trainer ran out of GPU memory, in any phase (the capture of a
+    CUDA graph too), with the peak it reached."""
     world = dist.world_size()
     per_gpu = cfg.batch_size // max(1, world)
+    graphs = OmegaConf.select(cfg, "dino.cuda_graphs", default=None) not in (None, False)
     return (f"CUDA out of memory with {per_gpu} images per GPU (batch_size={cfg.batch_size} over {world} "
-            f"process{'es' if world > 1 else ''}): lower batch_size, add GPUs (NPROC_PER_NODE / NNODES), or set "
-            f"model.grad_checkpointing=true; {what_is_kept(run_dir(cfg) / CHECKPOINT_NAME)}")
+            f"process{'es' if world > 1 else ''}{peak_memory()}): lower batch_size, "
+            + ("set dino.cuda_graphs=false (the graph keeps a memory pool of its own), " if graphs else "")
+            + f"set model.grad_checkpointing=true, or add GPUs (NPROC_PER_NODE / NNODES); "
+            f"{what_is_kept(run_dir(cfg) / CHECKPOINT_NAME)}")
+
+
+def peak_memory() -> str:
+    """'; peak 71.2 GiB allocated of the GPU's 79.1 GiB': this process's peak since the last
+    reset (core.run.Run.reset_peak_memory: the training's, after the k-NN at init), or
+    nothing where CUDA never started."""
+    if not torch.cuda.is_initialized():
+        return ""
+    gib = 2 ** 30
+    return (f"; peak {torch.cuda.max_memory_allocated() / gib:.1f} GiB allocated of the GPU's "
+            f"{torch.cuda.mem_get_info()[1] / gib:.1f} GiB")
 
 
 def what_is_kept(checkpoint: Path) -> str:
@@ -347,6 +377,25 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({dist.cpu_cores()} cores)"
+
+
+def device_lines(device: torch.device, world_size: int, asked: str, amp: torch.dtype | None) -> list[str]:
+    """'device: <the device, its memory>; precision <what autocast runs in>' and, where
+    bf16 was asked of a GPU without it, a warning (core.device.has_bf16)."""
+    dtype = amp or torch.float32
+    cuda = device.type == "cuda"
+    where = gpu.describe_gpu(device) if cuda else device_name(device)
+    where += f", {world_size} processes" if world_size > 1 else ""
+    how = dist.PRECISIONS[dtype] + (" with GradScaler" if dtype == torch.float16 else "")
+    first = "{}.{}".format(*gpu.BF16_FROM)
+    if asked == "auto":
+        how += (" (auto: this GPU has bf16)" if dtype == torch.bfloat16 else
+                f" (auto: bf16 needs sm {first} or later)" if cuda else " (auto: no autocast on the CPU)")
+    lines = [f"device: {where}; precision {how}"]
+    if cuda and dtype == torch.bfloat16 and not gpu.has_bf16(device):
+        lines.append(f"warning: precision=bf16 on a GPU before sm {first} runs emulated, slowly; precision=auto "
+                     "takes fp16 with GradScaler there")
+    return lines
 
 
 def progress(iterable, total: int, desc: str, enabled: bool):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from resmlp.core.files import read_regular
 from resmlp.core.outdir import beside, input_key, input_name
 from resmlp.core.report import write_json
 from resmlp.core.weights import WeightsSpec
@@ -41,12 +42,15 @@ INPUTS_NAME = "inputs.json"
 # Keys that do not change what a run computes: a finished run with other values of these is
 # still the run asked for ("nothing to do"; compare reuses it). demo and recipe name where the
 # values came from, not what they are; demo_overrides and demo_data_overrides are what run
-# dirs saved before the demo became a recipe file hold in their place.
+# dirs saved before the demo became a recipe file hold in their place. model.residual_dtype
+# may change on resume but changes what a run computes (bf16 rounding of the stream).
+# embed.shard_size cuts embed's work, not its rows (a resumed folder keeps its own size);
+# embed.index is another file in the folder, so it stays: a folder per index format.
 RUNTIME_KEYS = ("out", "name", "resume", "out_ok", "num_workers", "log_every", "log_every_s", "ckpt_every",
                 "ckpt_epochs", "eval_every", "eval_batch_size", "device", "compile", "compile_cache_dir",
                 "dino.cuda_graphs", "demo", "recipe", "demo_overrides", "demo_data_overrides", "launcher", "slurm",
                 "save_rank_weights", "features.batch_size", "features.cache", "features.cache_dir", "data.download",
-                "weights_trust", *RESUME_MAY_CHANGE)
+                "weights_trust", "embed.shard_size", *(k for k in RESUME_MAY_CHANGE if k != "model.residual_dtype"))
 
 
 def default_run_name(cfg: DictConfig, start=None) -> str:
@@ -126,7 +130,7 @@ def input_changed(directory, cfg, key: str | None = None) -> tuple[str, str] | N
     if spec is None:
         return None
     try:
-        was = json.loads((Path(directory) / INPUTS_NAME).read_text()).get(key)
+        was = json.loads(read_regular(Path(directory) / INPUTS_NAME)).get(key)
     except (OSError, ValueError, AttributeError):
         return None
     if not isinstance(was, dict) or was.get("sha256") is None:   # nothing to compare: no file hashed

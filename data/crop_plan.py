@@ -15,7 +15,8 @@ the step and the views; the benchmark and `run.sh data data.preview=N` do the sa
 With `dino.augment=device` the trainer's data path is, in short:
 
     plan = crop_plan(cfg)
-    views = build_views(cfg, plan, out_dtype=torch.bfloat16, device=device)
+    path = dino_path(cfg, device, scaler_enabled=False)   # the step's: compiled how, graphed or not
+    views = build_views(cfg, plan, out_dtype=torch.bfloat16, device=device, path=path)
     loader, sampler = build_train_loader(dataset, views.transform, batch_per_rank, cfg.seed, workers,
                                          pin_memory=True, keyed=views.keyed, collate_fn=views.collate)
     for batch in loader:  # SourceBatch: images (B, 3, H, W) padded, sizes (B, 2), keys, ...
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from resmlp.core.compiling import StepPath
 from resmlp.core.errors import UserError
-
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,15 @@ class DinoViews:
                 batch.sizes.to(device, non_blocking=True))
 
 
-def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
-                device: torch.device | None = None) -> DinoViews:
+def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                path: StepPath | None = None, on_compile_error=None) -> DinoViews:
     """The trainer's data path for `plan`. On the device the crops come in `out_dtype`
     (the step's autocast dtype: its first layer would cast them anyway), and the
-    augmentation is compiled when the step is (`compile`: core.compiling.compile_form).
-    `device`: where the views go (data.decode=gpu needs a CUDA one)."""
+    augmentation is compiled when the step is: `path`, the step's (ssl.step.dino_path; None:
+    eager); `on_compile_error`: GpuMultiCrop's. `device`: where the views go (data.decode=gpu
+    needs a CUDA one)."""
     from resmlp.data.datasets import dataset_info
-    decode = cfg.data.get("decode", "cpu")
+    decode = cfg.data.decode
     if decode == "gpu" and not dataset_info(cfg.data).files:
         raise UserError(f"data.decode=gpu decodes image files on the GPU, and data={cfg.data.name} holds its images "
                         "decoded in memory: nothing would be decoded there; use data.decode=cpu")
@@ -136,9 +138,9 @@ def build_views(cfg, plan: CropPlan, out_dtype: torch.dtype = torch.float32,
         if decode == "gpu" and (device is None or torch.device(device).type != "cuda"):
             raise UserError("data.decode=gpu decodes JPEGs with CUDA and this run has no CUDA device; "
                             "use data.decode=cpu")
-        from resmlp.core.compiling import compile_form
-        compiled = compile_form(cfg.compile, device or "cpu", cfg.command)[0] is not None  # as the step is
-        augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=compiled, out_dtype=out_dtype)
+        compiled = path is not None and path.compile is not None
+        augment = GpuMultiCrop.from_plan(plan, cfg.data, compile=compiled, out_dtype=out_dtype,
+                                         on_compile_error=on_compile_error)
         transform = SourceDecoder(source_side(cfg.data), defer_jpeg=decode == "gpu")
         return DinoViews(plan, transform, augment, int(cfg.seed), collate_sources)
     if decode == "gpu":

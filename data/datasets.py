@@ -67,7 +67,7 @@ SUBSET_SPLITS = ("train", "unlabeled")
 
 
 def dataset_info(data_cfg) -> DatasetInfo:
-    name = data_cfg.get("name", None)
+    name = data_cfg.name
     if name not in DATASETS:
         raise UserError(f"data.name={name} is not a dataset; choose one of {', '.join(DATASETS)}")
     return DATASETS[name]
@@ -99,7 +99,7 @@ def build_dataset(data_cfg, split: str, transform=None, lists: FileLists | None 
         dataset = info.build(data_cfg, split, transform)
     if reads_files(transform):
         serve_encoded(dataset)
-    n = data_cfg.get("subset", None)
+    n = data_cfg.subset
     if n is not None and split in SUBSET_SPLITS:
         dataset = make_subset(dataset, n)
     return dataset
@@ -110,8 +110,8 @@ def fit_demo_subset(cfg, lists: FileLists | None = None) -> str | None:
     training split holds fewer: then data.subset becomes null (the config a run saves says
     what it used) and the note that says so is returned. Call it before the run dir's config
     is compared or saved. `lists`: the run's FileLists (data=folder: no second scan)."""
-    n = cfg.data.get("subset", None)
-    if not cfg.get("demo", False) or n is None:
+    n = cfg.data.subset
+    if not cfg.demo or n is None:
         return None
     have = len(build_dataset(OmegaConf.merge(cfg.data, {"subset": None}), "train", lists=lists))
     if have >= int(n):
@@ -149,7 +149,7 @@ def labels_problem(data_cfg, what: str) -> str | None:
     for a labeled set."""
     if dataset_info(data_cfg).labeled:
         return None
-    where = data_cfg.get("files", None) or data_cfg.get("root", None)
+    where = data_cfg.get("files", None) or data_cfg.root
     return (f"data={data_cfg.name} ({where}) holds images without labels: {what} needs a labeled set; name one "
             f"with data=<{'|'.join(LABELED)}> data.root=DIR (e.g. the eval.data and eval.root the DINO run was "
             "judged on)")

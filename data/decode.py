@@ -79,7 +79,7 @@ def reads_files(transform) -> bool:
 
 def source_side(data_cfg) -> int:
     """data.source_side, or its default: twice the eval resize (512 at img_size 224)."""
-    side = data_cfg.get("source_side", None)  # its values: the limit in configs/defaults.yaml
+    side = data_cfg.source_side  # its values: the limit in configs/defaults.yaml
     if side is None:
         return 2 * int(round(int(data_cfg.img_size) / 0.875))
     return side

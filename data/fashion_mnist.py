@@ -140,7 +140,7 @@ def locate(data_cfg, key: str = "data.root") -> tuple[str, str]:
         if found is not None:
             return found, _describe(found)
     tried = "data.download=false"
-    if data_cfg.get("download", False):
+    if data_cfg.download:
         target = data_dir()
         failure = _download(target)
         found = find_idx_dir(target)

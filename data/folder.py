@@ -230,9 +230,9 @@ def find(data_cfg, shared: bool = True) -> Scan:
     if not scan.paths:
         raise UserError(f"no images under data.root={root} (looked for {' '.join(IMG_EXTENSIONS)} at any "
                         f"depth; skipped {scan.skipped.total()} other entries); {_USAGE}")
-    bad = screen(scan.paths, where, bool(data_cfg.get("skip_corrupt", False)), bool(data_cfg.get("check", False)),
+    bad = screen(scan.paths, where, bool(data_cfg.skip_corrupt), bool(data_cfg.check),
                  shared)
-    if bad and data_cfg.get("skip_corrupt", False):
+    if bad and data_cfg.skip_corrupt:
         drop = {p for p, _ in bad}
         scan.paths = [p for p in scan.paths if p not in drop]
         if not scan.paths:
@@ -297,7 +297,7 @@ class FileLists:
 
     def get(self, data_cfg) -> Scan:
         root, files = folder_root(data_cfg)
-        skip = bool(data_cfg.get("skip_corrupt", False))
+        skip = bool(data_cfg.skip_corrupt)
         key = (root, files, skip)
         if key in self.scans:
             return self.scans[key]

@@ -327,7 +327,11 @@ class GpuMultiCrop:
     global_scale, local_scale; see resmlp.data.crop_plan) and the normalization; the rest
     are DINO's defaults.
     `normalize=False` returns values in [0, 1] (tests, inspection). `compile=True` runs
-    the photometric stage through torch.compile (worth it on a GPU; see bench/NOTES.md).
+    the photometric stage through torch.compile (worth it on a GPU; see tools/bench/NOTES.md).
+    `on_compile_error(error)`: called where that compilation fails (a compiler's error,
+    core.compiling.compiler_error); it raises to stop, or returns and the stage runs eager
+    from then on (the trainer's, under compile=auto: ssl/fallback.py). Without it the error
+    is raised as it is.
     """
 
     def __init__(self, global_size: int, local_size: int, n_local: int,
@@ -337,7 +341,7 @@ class GpuMultiCrop:
                  jitter_prob: float = 0.8, gray_prob: float = 0.2, blur_probs=(1.0, 0.1, 0.5),
                  blur_sigma=None, blur_kernel: int | None = None, solarize_prob: float = 0.2,
                  solarize_threshold: int = 128, normalize: bool = True,
-                 out_dtype: torch.dtype = torch.float32, compile: bool = False):
+                 out_dtype: torch.dtype = torch.float32, compile: bool = False, on_compile_error=None):
         if global_size < 1 or local_size < 1 or n_local < 0:
             raise UserError(f"GpuMultiCrop needs global_size, local_size >= 1 and n_local >= 0 "
                             f"(got {global_size}, {local_size}, {n_local})")
@@ -362,8 +366,15 @@ class GpuMultiCrop:
         # torch.compile fuses the ~60 elementwise passes of the photometric stage into a
         # few kernels (one compile per crop size; the first call pays it).
         self._compiled = torch.compile(photometric, dynamic=False) if compile else None
+        self._on_compile_error = on_compile_error
         self._stats: dict = {}
         self._probs: dict = {}
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the photometric stage runs compiled (as the step's path says, until a
+        compiler's error turns it eager)."""
+        return self._compiled is not None
 
     @classmethod
     def from_plan(cls, plan, data_cfg, **kwargs) -> "GpuMultiCrop":
@@ -501,8 +512,18 @@ class GpuMultiCrop:
             self._stats[x.device] = (torch.tensor(self.mean, device=x.device),
                                      torch.tensor([1 / s for s in self.std], device=x.device))
         mean, inv_std = self._stats[x.device]
-        fn = self._compiled if self._compiled is not None else photometric
-        y = fn(x, u, blur_p, sol_p, mean, inv_std, jitter=self.jitter, jitter_prob=self.jitter_prob,
-               gray_prob=self.gray_prob, sigma=self.blur_sigma, radius=self.blur_kernel // 2,
-               threshold=self.solarize_threshold, normalize=self.normalize)
-        return y
+        args = (x, u, blur_p, sol_p, mean, inv_std)
+        kwargs = {"jitter": self.jitter, "jitter_prob": self.jitter_prob, "gray_prob": self.gray_prob,
+                  "sigma": self.blur_sigma, "radius": self.blur_kernel // 2, "threshold": self.solarize_threshold,
+                  "normalize": self.normalize}
+        if self._compiled is None:
+            return photometric(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a compiler's error may fall back (on_compile_error)
+            from resmlp.core.compiling import compiler_error
+            if self._on_compile_error is None or not compiler_error(error):
+                raise
+            self._on_compile_error(error)
+        self._compiled = None   # a pure function of its inputs: the same call again, eager
+        return photometric(*args, **kwargs)

@@ -39,7 +39,7 @@ def class_folders(split_dir: str) -> list[str]:
 def split_dir(data_cfg, split: str, key: str = "data.root") -> str:
     """The folder of one split, after checking root and layout; the errors name `key`, the
     config key the user gave the root as (eval.root for the DINO run's labeled set)."""
-    name = data_cfg.get("name", "imagefolder")
+    name = data_cfg.name
     root = user_root(data_cfg, key)
     if root is None:
         raise UserError(f"{key} is not set: data.name={name} needs {key}=<folder>; {_LAYOUT}")
@@ -156,5 +156,5 @@ def build(data_cfg, split: str, transform=None) -> ImageFolder:
     classes = train_classes(data_cfg)
     folder = split_dir(data_cfg, split)
     return ImageFolder(folder, classes, transform,
-                       skip_corrupt=bool(data_cfg.get("skip_corrupt", False)),
-                       check=bool(data_cfg.get("check", False)))
+                       skip_corrupt=bool(data_cfg.skip_corrupt),
+                       check=bool(data_cfg.check))

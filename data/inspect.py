@@ -131,7 +131,7 @@ def _check(data_cfg, datasets: dict) -> None:
     print(f"check: {len(bad)} unreadable image(s):")
     for path, reason in bad:
         print(f"  {path}: {reason}")
-    if data_cfg.get("skip_corrupt", False):
+    if data_cfg.skip_corrupt:
         print(f"check: data.skip_corrupt=true: training and evaluation skip these {len(bad)} file(s)")
         return
     raise UserError(f"{len(bad)} unreadable image(s), listed above; fix or delete them, "
@@ -141,7 +141,7 @@ def _check(data_cfg, datasets: dict) -> None:
 def results_dir(cfg):
     """The run folder data.preview=N draws into; None without a preview (nothing is written)."""
     from resmlp.core.run_folder import run_dir
-    return run_dir(cfg) if cfg.data.get("preview", 0) else None
+    return run_dir(cfg) if cfg.data.preview else None
 
 
 def run(cfg) -> int:
@@ -159,13 +159,13 @@ def run(cfg) -> int:
         print(f"  {s}: {len(ds)} images{'' if labeled else ' without labels'}, from {ds.source}")
     print(f"stored images: {stored_format(first)}")
     build_eval_transform(data_cfg)  # validates img_size, crop_ratio, mean, std
-    resize = int(round(size / float(data_cfg.get("crop_ratio", 1.0))))
+    resize = int(round(size / float(data_cfg.crop_ratio)))
     print(f"model input: RGB {size}x{size}; eval: resize {resize} (bicubic) + center crop {size}")
     print(f"normalization: mean [{', '.join(f'{m:.4f}' for m in mean)}], "
           f"std [{', '.join(f'{v:.4f}' for v in std)}]")
     table = {s: _counts(ds, len(classes)) for s, ds in datasets.items()
              if (np.asarray(ds.targets) >= 0).any()}
-    n = data_cfg.get("subset", None)
+    n = data_cfg.subset
     if n is not None:
         for s in ("train", "unlabeled"):
             if s in datasets:
@@ -179,11 +179,11 @@ def run(cfg) -> int:
         print(f"labels: none; DINO trains on these images, and its k-NN and linear probe read a labeled set "
               f"named with eval.data=<{'|'.join(LABELED)}> eval.root=DIR")
     _print_skipped(datasets)
-    if data_cfg.get("check", False):
+    if data_cfg.check:
         _check(data_cfg, datasets)
     elif any(isinstance(ds, ImageFiles) for ds in datasets.values()):
         print("corrupt: not checked (data.check=true opens every image and lists the unreadable ones)")
-    n = data_cfg.get("preview", 0)
+    n = data_cfg.preview
     if n:
         from resmlp.data.preview import run_preview
         from resmlp.data.crop_plan import crop_plan

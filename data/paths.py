@@ -27,7 +27,7 @@ def user_root(data_cfg, key: str = "data.root") -> str | None:
     """`data.root` with `~` expanded, or None when it is not set. It names a folder: a file
     there is an error that says so (every data set reads its root through here). `key`: the
     config key the user gave it as (eval.root for the DINO run's labeled set)."""
-    root = data_cfg.get("root", None)
+    root = data_cfg.root
     if root is None or str(root) == "":
         return None
     path = os.path.abspath(os.path.expanduser(str(root)))

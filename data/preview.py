@@ -22,7 +22,9 @@ import os
 import torch
 from PIL import Image, ImageDraw
 
+from resmlp.core.checkpoint import atomic_write
 from resmlp.core.errors import UserError
+from resmlp.core.report import write_text
 
 OPS = ("jitter", "gray", "blur", "solarize")
 COLOURS = [(255, 60, 60), (60, 140, 255)] + [(255, 200, 0), (0, 200, 120), (200, 80, 255), (255, 130, 0),
@@ -123,7 +125,7 @@ def run_preview(cfg, n: int) -> dict:
     if cfg.dino.augment != "device":
         raise UserError("data.preview draws the device augmentation (dino.augment=device, the default); "
                         f"dino.augment={cfg.dino.augment} has no boxes to report")
-    device = torch.device("cuda" if cfg.data.get("decode", "cpu") == "gpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if cfg.data.decode == "gpu" and torch.cuda.is_available()
                           else "cpu")
     plan = crop_plan(cfg)
     views = build_views(cfg, plan, device=device)
@@ -142,7 +144,8 @@ def run_preview(cfg, n: int) -> dict:
     folder = run_dir(cfg)
     folder.mkdir(parents=True, exist_ok=True)
     png, js = folder / "crops.png", folder / "crops.json"
-    grid(batch.decode_on(device).cpu(), batch, crops, info, mean, std).save(png)
-    js.write_text(json.dumps(info, indent=1))
+    with atomic_write(png, what="the crops' picture") as f:   # never through a link at its name
+        grid(batch.decode_on(device).cpu(), batch, crops, info, mean, std).save(f, format="PNG")
+    write_text(js, json.dumps(info, indent=1), what="the crops' record")
     return {"png": str(png), "json": str(js), "images": n, "views": plan.n_crops}
 

@@ -75,7 +75,7 @@ def build(data_cfg, split: str, transform=None) -> TorchvisionImages:
     except RuntimeError:
         base = None
     why = "data.download=false"
-    if base is None and data_cfg.get("download", False):
+    if base is None and data_cfg.download:
         try:
             os.makedirs(root, exist_ok=True)
             with main_process_first():

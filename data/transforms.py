@@ -71,7 +71,7 @@ def to_normalized_tensor(mean, std) -> list:
 def build_eval_transform(data_cfg):
     """Resize to img_size / crop_ratio (bicubic), center-crop img_size, normalize."""
     size = img_size(data_cfg)
-    ratio = float(data_cfg.get("crop_ratio", 1.0))
+    ratio = float(data_cfg.crop_ratio)
     if not 0 < ratio <= 1:
         raise UserError(f"data.crop_ratio={ratio} must be in (0, 1]: the fraction of the resized "
                         f"image kept by the center crop")

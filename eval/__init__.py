@@ -4,7 +4,8 @@
 - memory.py       every feature bank sized to the machine's memory before it is built
 - knn.py          knn_classify / knn_evaluate (DINO protocol, exact, FAISS or torch),
                   online_knn for trainers, and the `knn` command
-- linear.py       train_linear_on_features (many lrs at once) and the `linear` command
+- linear.py       the `linear` command and its two protocols: lbfgs (logreg.py: logistic
+                  regression at its optimum, the L2 held out) and DINO's (many lrs at once)
 - few_labels.py   banks of n labeled images per class, drawn `tries` times (knn, linear)
 - judge.py        the DINO trainer's k-NN and linear probe: the labeled set (eval.data),
                   when it runs, the health-only run without labels

@@ -6,7 +6,9 @@ Results go to cfg.out when set, else beside the checkpoint (a run dir: into it),
 (timm:<name>) to runs/eval/<name>/. Each command writes <out>/<command>.json: its
 results, what was evaluated, the wall time and the resolved config; it is the last result
 of its kind. Every result is also appended to <out>/evaluations.jsonl (HISTORY), which no
-command rewrites: a knn with other settings keeps the one before it. viz's figures, files
+command rewrites: a knn with other settings keeps the one before it. The folder may be a
+run of someone else's: a link at any of these names (or at a folder of viz's under <out>,
+or at the run's features/) is refused before the features are computed (core/files.py). viz's figures, files
 that would replace each other, go to viz/<result_name>/ (viz/epoch<N>/<result_name>/ for
 the checkpoint of a run still training) unless out= names their folder.
 """
@@ -26,6 +28,7 @@ from resmlp.core import dist
 from resmlp.core.checkpoint import check_writable
 from resmlp.core.config import to_dict
 from resmlp.core.errors import UserError
+from resmlp.core.files import refuse_link
 from resmlp.core.report import append_json_line, write_json
 from resmlp.core.weights import ANY, WeightsSpec
 from resmlp.eval.features import default_cache_dir, features_for
@@ -112,6 +115,9 @@ def open_backbone(cfg, sub_dir: str | None = None, device: str | None = None) ->
                                 pretrained=bool(cfg.features.pretrained), img_size=cfg.data.img_size)
     amp = dist.amp_dtype(cfg.precision, dev)
     out_dir = output_dir(cfg, info, sub_dir)
+    if dist.is_main():   # the folder may be a run of someone else's: no link where the report goes
+        refuse_link(out_dir / f"{cfg.command}.json", within=base_dir(cfg, info))
+        refuse_link(base_dir(cfg, info) / HISTORY)
     epoch = unfinished_epoch(info)
     if epoch is not None:
         log(f"note: {info['run_dir']} is still training (no results.json yet): this {cfg.command} is of its "
@@ -157,6 +163,8 @@ def split_features(cfg, bb: Backbone, split: str, n_last_blocks: int = 1) -> dic
     unwritable cache dir fails before the extraction, not after it."""
     cache_dir = cfg.features.cache_dir or default_cache_dir(bb.info, cfg.out)
     if cfg.features.cache and dist.is_main():
+        if not cfg.features.cache_dir:   # the run's own features/, not a link to elsewhere
+            refuse_link(cache_dir)
         check_writable(cache_dir, "the feature cache",
                        "set features.cache_dir=<a directory you can write>, or features.cache=false")
     return features_for(

@@ -48,7 +48,8 @@ CACHE_VERSION = 1
 # --------------------------------------------------------------------------- extraction
 
 def default_amp_dtype(device) -> torch.dtype:
-    """bf16 on a GPU (features are stored in float32 anyway), float32 on the CPU."""
+    """precision=auto's (core.dist.amp_dtype): bf16 on a GPU that has it, else fp16 (features
+    are stored in float32 anyway), float32 on the CPU."""
     return dist.amp_dtype("auto", device)
 
 
@@ -106,7 +107,7 @@ def extract_features(model: nn.Module, loader, device, amp_dtype: torch.dtype | 
     """(features float32 (N, D) CPU, labels int64 (N,) CPU) of the whole dataset.
 
     model: in eval mode on `device`, returning pooled features (num_classes=0).
-    amp_dtype: autocast dtype on CUDA; None = bf16 on GPU, float32 (no autocast) on CPU.
+    amp_dtype: autocast dtype on CUDA; None = precision=auto's (default_amp_dtype).
     Under torchrun every rank passes its own shard's loader and gets the whole set back,
     in dataset order (see the module docstring).
     """

@@ -8,7 +8,8 @@ eval.root and eval.subset name, else the training set when it has labels) and re
 - `Judge`: the k-NN (DINO's protocol, knn.k at knn.temperature) of the teacher's backbone at
   init (for the demo, with eval_every or from dino.init), every `eval_every` epochs, after the
   head warm-up of a run continued from weights, and at the end with the few-label banks
-  (knn.few_labels) and the linear probe (dino.final_linear); the demo's raw-pixel k-NN on the
+  (knn.few_labels) and the linear probe (dino.final_linear: the linear command's default
+  protocol, configs/method/linear.yaml's); the demo's raw-pixel k-NN on the
   same bank, the bar the features must clear;
 - `HealthOnly`: a run with no labeled set. It reports no accuracy and says so at the start
   and in results.json; the loss, the teacher's entropy and KL and the collapse watch still
@@ -50,15 +51,15 @@ def eval_data(cfg):
     training normalization (what the network was trained on); its own file says the rest
     (crop ratio, where its files are found)."""
     from resmlp.core.config import CONFIG_DIR
-    judge = cfg.get("eval", None) or {}
-    name = judge.get("data", None)
+    judge = cfg.eval
+    name = judge.data
     if name is None:
-        if judge.get("root", None) is not None or judge.get("subset", None) is not None:
+        if judge.root is not None or judge.subset is not None:
             raise UserError(f"eval.root / eval.subset are set but eval.data is not; name the labeled set too: "
                             f"eval.data=<{'|'.join(LABELED)}>")
         return cfg.data if dataset_info(cfg.data).labeled else None
     own = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml").data
-    root = judge.get("root", None)
+    root = judge.root
     if root is None and DATASETS[name].build is imagefolder.build:
         raise UserError(f"eval.data={name} needs eval.root=DIR, the folder with train/<class>/ and val/<class>/")
     if root is not None and not os.path.isdir(os.path.expanduser(str(root))):
@@ -66,9 +67,9 @@ def eval_data(cfg):
                         f"; give the folder that holds eval.data={name}'s files")
     base = OmegaConf.load(CONFIG_DIR / "defaults.yaml").data
     labeled = OmegaConf.merge(base, own, {
-        "name": name, "root": judge.get("root", None), "subset": judge.get("subset", None),
+        "name": name, "root": judge.root, "subset": judge.subset,
         "img_size": cfg.data.img_size, "mean": cfg.data.mean, "std": cfg.data.std,
-        "download": cfg.data.get("download", True), "skip_corrupt": cfg.data.get("skip_corrupt", False)})
+        "download": cfg.data.download, "skip_corrupt": cfg.data.skip_corrupt})
     # its folder's layout now, in errors that name eval.root (the set is read as data.root later)
     if DATASETS[name].build is imagefolder.build:
         imagefolder.check_layout(labeled, "eval.root")
@@ -114,13 +115,16 @@ def knn_report(run, teacher_backbone, cfg, tag: str, linear: bool = False, cache
     if linear:
         lin = {}
         if run.is_main:
-            from resmlp.eval.linear import train_linear_on_features
+            from resmlp.eval.linear import chosen, default_probe, probe_cached
             (trf, trl), (tef, tel) = res["features"]["train"], res["features"]["test"]
-            lin = train_linear_on_features(trf, trl, tef, tel, num_classes(data))
+            lin = probe_cached(trf, trl, tef, tel, num_classes(data), default_probe(), int(cfg.seed), run.device,
+                               cfg.features.memory_gb)
             run.print(f"[{tag}] linear top1={lin['top1']:.2f} top5={lin['top5']:.2f} "
-                      f"(cached features, best lr {lin['lr']:g})")
+                      f"(cached features, {chosen(lin)})")
         lin = dist.broadcast_object(lin)
-        out.update(linear_top1=lin["top1"], linear_top5=lin["top5"], linear_lr=lin["lr"])
+        out.update(linear_top1=lin["top1"], linear_top5=lin["top5"], linear_protocol=lin["protocol"],
+                   **({"linear_l2": lin["l2"], "linear_holdout": lin["holdout"]} if lin["protocol"] == "lbfgs"
+                      else {"linear_lr": lin["lr"]}))
     return out
 
 

@@ -37,8 +37,9 @@ columns; one top-k per chunk picks its best blocks, whose columns are computed a
 (`_TorchSearch`); the float64 re-rank gathers the candidates there; there is no host
 sync but one per round of step 3 (and the input checks); only the k neighbours come back.
 
-Where the time goes: `python -m resmlp.bench.profile profile.phases=knn` times the search's
-phases (`phase` spans, `timed_phases`); outside it they cost a function call each.
+Where the time goes: the search's phases are torch.profiler spans (`phase`: SPANS + a name;
+each round of step 3 a mark, `ROUND`), which the repository's profiler (tools/bench/profile.py,
+`profile.phases=knn`) sums; outside a profile a span costs a few microseconds.
 """
 from __future__ import annotations
 
@@ -59,30 +60,27 @@ _CAND_BYTES = 24       # per (query, candidate) of a pass: its search similarity
 
 # --------------------------------------------------------------------------- phases
 
-_clock = None   # what times the phases while bench/profile.py profiles the search (timed_phases)
+SPANS = "knn_search: "          # the name of every phase span begins so in a profiler's trace
+ROUND = "knn_search round: "    # a mark per round of step 3: its candidates, queries and chunk
 
 
 def phase(name: str):
-    """A span of the search, timed while a clock is installed (timed_phases); nothing
-    otherwise. The clock (bench/timing.py's PhaseClock) adds no host sync to the spans."""
-    return _clock.phase(name) if _clock is not None else contextlib.nullcontext()
+    """A span of the search (and of the vote, eval/knn.py), recorded by torch.profiler when a
+    profile runs: it adds no host sync."""
+    return torch.profiler.record_function(SPANS + name)
 
 
-def _note(**fields) -> None:
-    """A fact of this call for the clock (a round's candidate count and queries)."""
-    if _clock is not None:
-        _clock.note(**fields)
+def _mark_round(**facts: int) -> None:
+    """A round's facts (its candidate count, queries, queries per chunk) as a mark in the trace."""
+    with torch.profiler.record_function(ROUND + " ".join(f"{k}={v}" for k, v in facts.items())):
+        pass
 
 
-@contextlib.contextmanager
-def timed_phases(clock):
-    """The search's phases (and the vote's, eval/knn.py) timed by `clock` for the block."""
-    global _clock
-    old, _clock = _clock, clock
-    try:
-        yield clock
-    finally:
-        _clock = old
+def round_of(name: str) -> dict | None:
+    """The facts of a round's mark (`_mark_round`), from its name in a trace; None for another name."""
+    if not name.startswith(ROUND):
+        return None
+    return {k: int(v) for k, v in (word.split("=") for word in name[len(ROUND):].split())}
 
 
 def pair_bytes(d: int) -> int:
@@ -394,7 +392,7 @@ class _TorchSearch(_Search):
 
     def __init__(self, train: torch.Tensor, device: torch.device, budget: int = BUDGET,
                  dtype: torch.dtype | None = None):
-        super().__init__(train, device, budget, dtype or self.DTYPES.get(device.type, torch.float32))
+        super().__init__(train, device, budget, dtype or default_pass_dtype(device))
 
     def prunes(self, kc: int) -> bool:
         """Whether the pass at kc candidates goes through block maxima: more whole blocks
@@ -404,7 +402,7 @@ class _TorchSearch(_Search):
     def tile(self, kc: int) -> tuple[int, int]:
         """(queries, bank columns) of one matmul at kc candidates per query, within the
         budget. With block maxima: per query, the chunk's maxima over the whole bank with
-        topk's copies and the candidates, on at most half the budget (4096 queries where
+        topk's copies and the candidates, on at most half the budget (_MAX_CHUNK queries where
         they fit), and the rest for the tile's similarities and their maxima, in whole
         blocks. Without: whole rows, with topk's copies."""
         n, size, block = self.unit.shape[0], self.unit.element_size(), self.BLOCK
@@ -469,6 +467,11 @@ class _TorchSearch(_Search):
                     cand.append(idx)
         with phase("pass: block maxima, merge"):
             return self.bound(torch.cat(last), err, unit.shape[1]), torch.cat(cand)
+
+
+def default_pass_dtype(device) -> torch.dtype:
+    """The dtype of the torch backend's candidate pass on `device` when knn_search is given none."""
+    return _TorchSearch.DTYPES.get(torch.device(device).type, torch.float32)
 
 
 def _best_blocks(maxima: torch.Tensor, kb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -621,7 +624,7 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     chunk_size: queries per chunk (default: what fits the memory budget); the result
     does not depend on it. device: where the search runs (default: the GPU if any).
     budget: bytes one block may hold (default BUDGET; see the module docstring).
-    pass_dtype: the torch backend's candidate pass in this dtype (default: _TorchSearch.DTYPES's
+    pass_dtype: the torch backend's candidate pass in this dtype (default: default_pass_dtype's
     for the device); the result does not depend on it, only the time it takes.
     """
     name, dev = resolve_backend(backend, device)
@@ -652,7 +655,7 @@ def knn_search(train_features, test_features, k: int, backend: str = "auto",
     while pending.numel():
         whole = kc >= n or (search.max_k is not None and kc > search.max_k)
         per = min(chunk_size, pass_rows(kc, budget))
-        _note(candidates=n if whole else kc, queries=pending.numel(), chunk=per)
+        _mark_round(candidates=n if whole else kc, queries=pending.numel(), chunk=per)
         asked, missed = [], []
         for s in range(0, pending.numel(), per):
             preempt.stop_between_batches()  # a trainer's stop signal need not wait for the whole search

@@ -46,6 +46,8 @@ import torch
 import torch.nn as nn
 
 from resmlp.core.errors import UserError
+from resmlp.core.files import read_regular
+from resmlp.core.report import write_figure
 from resmlp.eval.figure import new_figure
 
 WEIGHT_FIGURES = ("cross_patch", "sparsity", "curves")
@@ -160,10 +162,14 @@ def mosaic(rows: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- log.jsonl
 
+# A run's log.jsonl is a line per log_every iterations: far less than this.
+LOG_MAX_BYTES = 1 << 28
+
+
 def read_log(path: Path) -> tuple[list[dict], int]:
     """JSON object lines of a log.jsonl, and how many lines could not be read."""
     rows, bad = [], 0
-    for line in Path(path).read_text(errors="replace").splitlines():
+    for line in read_regular(path, LOG_MAX_BYTES).decode(errors="replace").splitlines():
         line = line.strip()
         if not line:
             continue
@@ -227,7 +233,7 @@ def draw_cross_patch(mats: list[torch.Tensor], grid: tuple[int, int], c: int, pa
         ax.set_yticks([])
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_figure(fig, path, dpi=dpi)
 
 
 def draw_sparsity(sp: dict, path: Path, title: str, threshold: float, dpi: int = 150) -> None:
@@ -248,7 +254,7 @@ def draw_sparsity(sp: dict, path: Path, title: str, threshold: float, dpi: int =
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_figure(fig, path, dpi=dpi)
 
 
 def draw_curves(series: dict, path: Path, title: str, dpi: int = 150) -> None:
@@ -276,7 +282,7 @@ def draw_curves(series: dict, path: Path, title: str, dpi: int = 150) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_figure(fig, path, dpi=dpi)
 
 
 # --------------------------------------------------------------------------- command
@@ -351,11 +357,15 @@ def make_figures(model: nn.Module, info: dict, out_dir: Path, figures=WEIGHT_FIG
                                             "their matrix; mlp pools fc1 and fc2 (each against its own max)"}
         result["files"].append(path.name)
     if "curves" in figures:
-        log_path = find_log(info)
+        log_path, rows = find_log(info), None
         if log_path is None:
             result["notes"].append("no log.jsonl beside the checkpoint: no training curves")
         else:
-            rows, bad = read_log(log_path)
+            try:
+                rows, bad = read_log(log_path)
+            except OSError as e:   # not a regular file (a FIFO is not waited on), or too large for a log
+                result["notes"].append(f"{log_path} cannot be read ({e.strerror}): no training curves")
+        if rows is not None:
             series = curve_series(rows)
             result["curves"] = {"log": str(log_path), "lines": len(rows), "unreadable_lines": bad,
                                 **{k: {"points": len(v), "last": v[-1][1]} for k, v in series.items()
@@ -406,7 +416,7 @@ def feature_figures(backbone: nn.Module, inputs: FeatureInputs, out_dir: Path, f
                  f"{data_cfg.name} test queries" if not same_set else f"{data_cfg.name} images (no labels)")
 
     def save(fig, name: str) -> None:
-        fig.savefig(out_dir / name, dpi=dpi)
+        write_figure(fig, out_dir / name, dpi=dpi)
         files.append(name)
     out = {}
     if "neighbours" in figures:

@@ -5,6 +5,7 @@ Importing this package registers resmlp_s12 / s24 / s36 / b24 with timm, so
 """
 from resmlp.models.convert import LoadReport, convert_state_dict, detect_format, export_state_dict, load_pretrained
 from resmlp.models.fold import fold_affine
+from resmlp.models.registry import load_hub_weights  # importing it registers the family with timm
 from resmlp.models.resmlp import (
     ARCHS,
     CROSS_PATCHES,
@@ -41,7 +42,8 @@ def create_model(name: str, **overrides) -> ResMLP:
     | 'dwconv3x3' | 'dwsep3x3' | 'none'), grid_adapt ('none' | 'interpolate' | 'subgrid';
     can be changed later with `model.grid_adapt = ...`), fused (False; True: FusedResMLPBlocks,
     the same parameters and function with Aff and LayerScale folded on every forward, for
-    training), and dim / depth / mlp_ratio for other sizes. An unknown name, key or value
+    training; with it token_major, kernels, residual_dtype: resmlp.models.fused.FusedOptions),
+    and dim / depth / mlp_ratio for other sizes. An unknown name, key or value
     raises resmlp.core.errors.UserError.
     """
     return create_resmlp(name, **overrides)
@@ -51,5 +53,6 @@ __all__ = [
     'ARCHS', 'CROSS_PATCHES', 'GRID_ADAPTS', 'NORMS', 'OVERRIDE_KEYS', 'POOLINGS',
     'Affine', 'ClassMLPPool', 'CrossPatchConv', 'CrossPatchLinear', 'CrossPatchMLP', 'FusedResMLPBlock',
     'LoadReport', 'ResMLP', 'ResMLPBlock', 'adapt_token_mixing', 'convert_state_dict',
-    'create_model', 'detect_format', 'export_state_dict', 'fold_affine', 'list_models', 'load_pretrained',
+    'create_model', 'detect_format', 'export_state_dict', 'fold_affine', 'list_models', 'load_hub_weights',
+    'load_pretrained',
 ]

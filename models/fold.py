@@ -102,6 +102,5 @@ def fold_affine(model: ResMLP) -> ResMLP:
             folded.pool.norm = normalize
         _fold_in_affine(folded.head, alpha, beta)
     folded.folded = True
-    folded.fused = False
     return folded
 

@@ -36,20 +36,20 @@ Drop path draws its masks as timm's DropPath does (one bernoulli_ per branch on 
 tensor of the branch's dtype, in the same order), so a fused and a plain block give the
 same result from the same generator state.
 
-Token-major layout (`block.token_major`, the model's `token_major`): tokens arrive as
+Token-major layout (`block.options.token_major`, the model's `token_major`): tokens arrive as
 (N, B, D), so the cross-patch linear is one GEMM over every image, A @ X.view(N, B*D),
 and its backward two (A^T dP, dP X^T), where the (B, N, D) layout makes matmul copy X
 to (B*D, N) and back. c broadcasts over B, the drop-path masks over N and D (the same
 draws, viewed (1, B, 1)); the channel MLP acts per token and takes either layout. The
 cross-patch MLP and conv ablations work on (B, N, D) and see a transposed view.
 
-Triton kernels (`block.kernels == 'triton'`, models/kernels/): the linear cross-patch, its
+Triton kernels (`block.options.kernels == 'triton'`, models/kernels/): the linear cross-patch, its
 scale s, bias c, drop-path mask and residual add in one kernel, whose backward also sums
 ds, dc and dA; fc1 with the exact GELU in its epilogue and fc2's input gradient with
 GELU's derivative and fc1's bias gradient in its own. The folded weights are computed here
 as on the torch path, so autograd carries the kernels' gradients back to the parameters.
 
-bf16 residual stream (`block.residual_dtype == 'bf16'`, under autocast only): the block's
+bf16 residual stream (`block.options.residual_dtype == 'bf16'`, under autocast only): the block's
 input, its first half's output and its output are bfloat16, where the plain block's type
 promotion (fp32 parameters c, s, ls2) makes them float32 and the GEMMs read a bf16 copy.
 s, c, the second branch and the masks (drawn as before) are cast to bf16 before the adds,
@@ -58,6 +58,7 @@ stream in the GEMMs' dtype, fc2's addmm carries the residual again (the teacher'
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -65,7 +66,45 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DropPath
 
+from resmlp.core.config import check_choice
 from resmlp.models.kernels import load as load_kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOptions:
+    """How the fused blocks run, not what they compute: the same parameters and function
+    under any of them, so that a model built from saved weights for evaluation takes none
+    (models/load.py). Each is a `model.<name>` key (configs/defaults.yaml holds the run's
+    values and their limits); a field's default is the plain blocks' way, which a block
+    built in code takes. A block holds them as `block.options` (resmlp.py's
+    FusedResMLPBlock, built through `block_layer`); `plain` in a field's metadata says why
+    the plain blocks cannot do otherwise.
+
+    token_major: (N, B, D) tokens, so that the cross-patch linear is one GEMM over all
+      images with no transposes (the model's patch embedding then writes that layout).
+    kernels='triton': the cross-patch and channel MLP in the Triton kernels of
+      models/kernels/ (CUDA; the CPU only under Triton's interpreter).
+    residual_dtype='bf16': the residual stream in bfloat16 under autocast (float32
+      otherwise, as the plain blocks' type promotion makes it).
+    """
+    token_major: bool = dataclasses.field(default=False, metadata={"plain": "the plain blocks are batch-major"})
+    kernels: str = dataclasses.field(default='torch', metadata={"plain": "the kernels are the fused block's"})
+    residual_dtype: str = dataclasses.field(default='fp32',
+                                            metadata={"plain": "the plain blocks keep the stream in float32"})
+
+    def __post_init__(self):
+        for name in ('kernels', 'residual_dtype'):
+            check_choice(f'model.{name}', getattr(self, name))   # their words: limits in configs/
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' names: the `model.` keys a model built for evaluation leaves out."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def unlike_plain(self) -> list[tuple[str, object, str]]:
+        """(name, value, why the plain blocks cannot) for each option away from its default."""
+        return [(f.name, getattr(self, f.name), f.metadata["plain"]) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default]
 
 
 def _drop_prob(block: nn.Module) -> float:
@@ -74,7 +113,7 @@ def _drop_prob(block: nn.Module) -> float:
 
 
 def _token_major(block: nn.Module) -> bool:
-    return getattr(block, 'token_major', False)
+    return block.options.token_major
 
 
 def _batch_size(block: nn.Module, x: torch.Tensor) -> int:
@@ -110,7 +149,7 @@ def _normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _triton(block: nn.Module):
     """The Triton operators' module where the block runs them (model.kernels=triton), else None."""
-    return load_kernels() if getattr(block, 'kernels', 'torch') == 'triton' else None
+    return load_kernels() if block.options.kernels == 'triton' else None
 
 
 def _gemm_dtype(weight: torch.Tensor, x: torch.Tensor) -> torch.dtype:
@@ -131,7 +170,7 @@ def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
 def _stream_dtype(block: nn.Module, x: torch.Tensor) -> Optional[torch.dtype]:
     """bfloat16 where the block keeps its residual stream in it (model.residual_dtype=bf16,
     under autocast); None: the plain block's type promotion (float32 under autocast)."""
-    if getattr(block, 'residual_dtype', 'fp32') == 'bf16' and torch.is_autocast_enabled(x.device.type):
+    if block.options.residual_dtype == 'bf16' and torch.is_autocast_enabled(x.device.type):
         return torch.bfloat16
     return None
 
@@ -211,5 +250,5 @@ def describe(block: nn.Module) -> str:
         parts.append('norm1 kept, ls1 + residual in one addcmul')
     return ('fused: ' + ', '.join(parts) + ('; LayerNorm normalises in a pass of its own' if ln else '')
             + ('; tokens (N, B, D)' if _token_major(block) else '')
-            + ('; Triton kernels' if getattr(block, 'kernels', 'torch') == 'triton' else '')
-            + ('; bf16 residual stream under autocast' if getattr(block, 'residual_dtype', 'fp32') == 'bf16' else ''))
+            + ('; Triton kernels' if block.options.kernels == 'triton' else '')
+            + ('; bf16 residual stream under autocast' if block.options.residual_dtype == 'bf16' else ''))

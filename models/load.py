@@ -9,7 +9,10 @@
 Run state (optimizer, RNG, resume) is written and read by resmlp.core.checkpoint;
 this module reads the weights out of such files and out of everyone else's. Every file is
 opened by core.checkpoint's load_checkpoint: weights only, nothing in a file runs (weights_trust=true for
-a file from a trusted source that needs more).
+a file from a trusted source that needs more). Nor is a model built that the weights do not
+fill: its size is counted on the meta device first (a few KB naming `blocks.9999.*`, or a
+saved config naming a depth or width the tensors do not have, is one line, not a build
+until memory runs out).
 
 Accepted `spec`s (resmlp.core.weights.WeightsSpec parses them; each entry point takes the
 parsed spec or its text):
@@ -163,6 +166,9 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
     if not blocks:
         raise UserError(f"not a ResMLP state_dict: no blocks.* keys (keys: {_preview(sd)})")
+    if len(blocks) != max(blocks) + 1:   # before anything is built: the depth is the blocks it holds
+        raise UserError(f"not a ResMLP state_dict: its blocks are numbered up to {max(blocks)} but it holds "
+                        f"{len(blocks)} of them")
     arch.update(dim=dim, in_chans=in_chans, patch_size=p, depth=max(blocks) + 1)
     fc1 = sd.get("blocks.0.mlp.fc1.weight")
     if fc1 is not None:
@@ -177,7 +183,34 @@ def infer_arch(sd: Mapping, config_model: Mapping | None = None, img_size=None) 
     size = _trained_size(n, p, given) if n is not None else given
     if size is not None:
         arch["img_size"] = [int(v) for v in size] if isinstance(size, (list, tuple)) else size
-    return _arch_name(cfgm.get("name"), dim, arch["depth"]), arch
+    name = _arch_name(cfgm.get("name"), dim, arch["depth"])
+    one = _numbers(lambda: _create(name, {**arch, "depth": 1}))   # a block's worth, on no memory
+    per_block = sum(n for k, n in one.items() if k.startswith("blocks.0."))
+    _check_held(sum(one.values()) + (arch["depth"] - 1) * per_block, sd, "the weights")
+    return name, arch
+
+
+def _create(name: str, arch: dict) -> nn.Module:
+    from resmlp.models import create_model
+    return create_model(name, **arch, num_classes=0)
+
+
+def _numbers(build) -> dict[str, int]:
+    """How many numbers each entry of the state_dict of the model `build` makes holds,
+    counted on the meta device: nothing allocated, however large it would be."""
+    with torch.device("meta"):
+        return {k: v.numel() for k, v in build().state_dict().items()}
+
+
+def _check_held(implied: int, sd: Mapping, where: str) -> None:
+    """The model the weights imply (`implied` numbers) must be about what they hold: a file
+    claiming a depth or width its tensors do not have (a few KB naming block 9999) is refused
+    before the model is built, not after memory runs out."""
+    held = sum(v.numel() for v in sd.values() if isinstance(v, torch.Tensor))
+    if implied > 2 * held + (1 << 20):
+        raise UserError(f"{where} imply a model of {implied:,} numbers but hold {held:,}: a model is built only "
+                        "for weights that fill it (a file naming a depth or width its tensors do not have is "
+                        "refused)")
 
 
 def _token_mixing(sd: Mapping, dim: int) -> tuple[str | None, int | None]:
@@ -292,7 +325,10 @@ def resmlp_from_state_dict(sd: Mapping, where: str, config_model: Mapping | None
     architecture read off the weights (infer_arch); sd in any key format."""
     from resmlp.models import convert_state_dict, create_model
     sd = convert_state_dict(sd)
-    name, arch = infer_arch({k: v for k, v in sd.items() if not k.startswith("head.")}, config_model, img_size)
+    try:
+        name, arch = infer_arch({k: v for k, v in sd.items() if not k.startswith("head.")}, config_model, img_size)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
     model = create_model(name, **arch, num_classes=0)
     load_into(model, sd, where, ignore_head=True)
     return model, name, arch
@@ -420,6 +456,7 @@ def _load_timm_arch(sd: dict, cfg_model: Mapping, info: dict, path: str) -> nn.M
     kwargs = {"num_classes": 0}
     if cfg_model.get("img_size"):
         kwargs["img_size"] = cfg_model["img_size"]
+    _check_held(sum(_numbers(lambda: create_timm(name, **kwargs)).values()), sd, f"{path}: its config and weights")
     model = create_timm(name, **kwargs)
     head_prefix = str(getattr(model, "pretrained_cfg", {}).get("classifier", "head")) + "."
     w = sd.get(head_prefix + "weight")
@@ -505,7 +542,10 @@ def init_weights(spec: WeightsSpec | str | os.PathLike, model: nn.Module, where:
     if "patch_embed.proj.weight" not in sd or not any(k.startswith("blocks.") for k in sd):
         raise UserError(f"{named} is {source.what} without a ResMLP's patch embedding and blocks "
                         f"(keys: {_preview(sd)}): it does not fit the model's ResMLP backbone; pass ResMLP weights")
-    name, arch = infer_arch(sd, (info["config"] or {}).get("model"))
+    try:
+        name, arch = infer_arch(sd, (info["config"] or {}).get("model"))
+    except UserError as e:
+        raise UserError(f"{named}: {e}") from None
     _check_fit(arch, model, named)
     sd, info["grid"] = _fit_grid(sd, name, arch, tuple(model.grid_size), named)
     load_into(model, sd, named)
@@ -573,6 +613,7 @@ def load_classifier(spec: WeightsSpec | str | os.PathLike, architecture: str | N
     else:
         raise UserError(f"{path} carries no config that names its architecture; add "
                         "distill.teacher_model=<timm or resmlp model name>")
+    _check_config_fits(model_cfg, sd, str(path))
     n = obj.get("num_classes") if obj.get("format") == FORMAT else None
     if not n:
         n = _classifier_rows(build_model(model_cfg, num_classes=1), sd)
@@ -581,6 +622,18 @@ def load_classifier(spec: WeightsSpec | str | os.PathLike, architecture: str | N
     model = build_model(model_cfg, num_classes=int(n))
     load_into(model, sd, str(path))
     return model.eval().requires_grad_(False), str(model_cfg.name)
+
+
+def _check_config_fits(model_cfg, sd: Mapping, where: str) -> None:
+    """A saved config's model, checked against the weights before it is built: the depth it
+    names is the blocks they hold, and the model holds about the numbers they do."""
+    depth = model_cfg.get("depth")
+    blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
+    if depth is not None and depth != len(blocks):
+        raise UserError(f"{where}: its config names depth {depth} but its weights hold {len(blocks)} blocks; "
+                        "a model is built only for weights that fill it")
+    _check_held(sum(_numbers(lambda: build_model(model_cfg, num_classes=1)).values()), sd,
+                f"{where}: its config and weights")
 
 
 def _classifier_rows(model: nn.Module, sd: Mapping) -> int | None:

@@ -20,6 +20,7 @@ patch embedding writes that layout and the model's outputs are (B, N, D) views o
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -29,12 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import DropPath, trunc_normal_
-from timm.models import register_model
 from torch.utils.checkpoint import checkpoint
 
-from resmlp.core.config import check_choice
 from resmlp.core.errors import UserError
 from resmlp.models import fused
+from resmlp.models.fused import FusedOptions
 
 Grid = tuple[int, int]
 
@@ -290,6 +290,8 @@ class ResMLPBlock(nn.Module):
     official code). With cross_patch='none' the first sublayer does not exist.
     """
 
+    token_major = False   # the tokens it takes are (B, N, D)
+
     def __init__(self, dim: int, grid: Grid, mlp_ratio: float, init_values: float,
                  drop_path: float, norm: str, cross_patch: str, grid_adapt: str):
         super().__init__()
@@ -318,17 +320,17 @@ class FusedResMLPBlock(ResMLPBlock):
     """ResMLPBlock with the same parameters and state-dict keys, whose forward folds the
     Affs and LayerScales into the neighbouring weights on every call (models/fused.py has
     the algebra): the same function with fewer passes over the activations, for training.
-    token_major: its tokens are (N, B, D) rather than (B, N, D) (the model sets it).
-    kernels: 'torch', or 'triton' for the kernels of models/kernels/ (a CUDA GPU's).
-    residual_dtype: 'fp32', or 'bf16' for a bfloat16 residual stream under autocast.
+    `options` (FusedOptions): how it runs; token_major: its tokens are (N, B, D) rather
+    than (B, N, D), which the model's patch embedding then writes.
     """
 
-    def __init__(self, *args, token_major: bool = False, kernels: str = 'torch', residual_dtype: str = 'fp32',
-                 **kwargs):
+    def __init__(self, *args, options: FusedOptions | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.token_major = token_major
-        self.kernels = kernels
-        self.residual_dtype = residual_dtype
+        self.options = options if options is not None else FusedOptions()
+
+    @property
+    def token_major(self) -> bool:
+        return self.options.token_major
 
     def forward(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         return fused.fused_block_forward(self, x, grid)
@@ -425,23 +427,18 @@ class ResMLP(nn.Module):
       patch grid differs from the built one; it is a runtime attribute (`model.grid_adapt
       = 'subgrid'`) that reaches every cross-patch layer. Conv cross-patch variants take
       any grid; the MLP variant none but its own.
-    fused=True builds FusedResMLPBlocks: the same parameters and function, Aff and
-      LayerScale folded into the neighbouring weights on every forward (models/fused.py).
-    token_major=True (fused only) keeps the residual stream as (N, B, D) from the patch
-      embedding to the final norm, so that the cross-patch linear is one GEMM over all
-      images with no transposes; forward_features then returns a (B, N, D) view of it.
-    kernels='triton' (fused only) runs the fused blocks' cross-patch and channel MLP in the
-      Triton kernels of models/kernels/ (CUDA; the CPU only under Triton's interpreter).
-    residual_dtype='bf16' (fused only) keeps the blocks' residual stream in bfloat16 under
-      autocast (float32 otherwise, as the plain blocks' type promotion makes it).
+    block_layer: the blocks' class, as timm's models take it: ResMLPBlock, or FusedResMLPBlock
+      with its FusedOptions (`block_layer(fused=True, ...)`: the same parameters and function,
+      Aff and LayerScale folded into the next weights on every forward, models/fused.py).
+      Token-major blocks take (N, B, D) tokens from the patch embedding to the final norm;
+      forward_features then returns a (B, N, D) view of them.
     """
 
     def __init__(self, img_size: int | Sequence[int] = 224, patch_size: int = 16, in_chans: int = 3,
                  num_classes: int = 1000, dim: int = 384, depth: int = 12, mlp_ratio: float = 4.0,
                  init_values: float = 0.1, drop_path_rate: float = 0.0, pooling: str = 'avg',
                  norm: str = 'affine', cross_patch: str = 'linear', grid_adapt: str = 'none',
-                 fused: bool = False, token_major: bool = False, kernels: str = 'torch',
-                 residual_dtype: str = 'fp32'):
+                 block_layer=ResMLPBlock):
         super().__init__()
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.img_size = img_size
@@ -454,27 +451,16 @@ class ResMLP(nn.Module):
         _check_choice('grid_adapt', grid_adapt, GRID_ADAPTS)
         self.grad_checkpointing = False
         self.folded = False
-        self.fused = bool(fused)
-        if token_major and not fused:
-            raise UserError('model.token_major=true needs model.fused=true (the plain blocks are batch-major)')
-        check_choice('model.kernels', kernels)
-        if kernels != 'torch' and not fused:
-            raise UserError(f'model.kernels={kernels} needs model.fused=true (the kernels are the fused block\'s)')
-        check_choice('model.residual_dtype', residual_dtype)
-        if residual_dtype != 'fp32' and not fused:
-            raise UserError(f'model.residual_dtype={residual_dtype} needs model.fused=true (the plain blocks '
-                            'keep the stream in float32)')
 
-        self.patch_embed = PatchEmbed(patch_size, in_chans, dim, bool(token_major))
+        self.patch_embed = PatchEmbed(patch_size, in_chans, dim)
         grid = self.patch_embed.grid_for(*img_size)
         self._grid = grid
         # Constant stochastic depth over blocks, as in the official ResMLP and timm code
         # (DINO's ViT ramps it linearly; ResMLP never did).
-        block = (functools.partial(FusedResMLPBlock, token_major=bool(token_major), kernels=kernels,
-                                   residual_dtype=residual_dtype) if fused else ResMLPBlock)
         self.blocks = nn.ModuleList(
-            block(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
+            block_layer(dim, grid, mlp_ratio, init_values, drop_path_rate, norm, cross_patch, grid_adapt)
             for _ in range(depth))
+        self.patch_embed.token_major = any(b.token_major for b in self.blocks)   # the layout the blocks take
         self.norm = make_norm(norm, dim)
         self.pool = (ClassMLPPool(dim, grid, mlp_ratio, init_values, norm, grid_adapt)
                      if pooling == 'class_mlp' else None)
@@ -514,6 +500,11 @@ class ResMLP(nn.Module):
                 m.grid_adapt = mode
 
     @property
+    def fused(self) -> bool:
+        """Whether the blocks are FusedResMLPBlocks (block_layer(fused=True))."""
+        return any(isinstance(b, FusedResMLPBlock) for b in self.blocks)
+
+    @property
     def token_major(self) -> bool:
         """Whether the blocks' tokens are (N, B, D): set by the patch embedding's layout."""
         return self.patch_embed.token_major
@@ -523,7 +514,7 @@ class ResMLP(nn.Module):
         self.patch_embed.token_major = False
         for blk in self.blocks:
             if isinstance(blk, FusedResMLPBlock):
-                blk.token_major = False
+                blk.options = dataclasses.replace(blk.options, token_major=False)
 
     def _batch_major(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks' tokens as (B, N, D): a view, no copy, of token-major ones."""
@@ -642,12 +633,11 @@ _INT_KEYS = ('patch_size', 'in_chans', 'num_classes', 'dim', 'depth')
 _FLOAT_KEYS = ('drop_path_rate', 'init_values', 'mlp_ratio')
 _CHOICE_KEYS = {'pooling': POOLINGS, 'norm': NORMS, 'cross_patch': CROSS_PATCHES,
                 'grid_adapt': GRID_ADAPTS}
-_CONFIG_CHOICE_KEYS = ('kernels', 'residual_dtype')  # their words are their limits: entries in configs/ (check_choice)
-# How the fused blocks run, not what they compute: the same weights either way, and a model
-# built from saved weights for evaluation takes none of them (models/load.py).
-FUSED_OPTIONS = ('token_major', 'kernels', 'residual_dtype')
+# How the fused blocks run (FusedOptions, whose words are their limits in configs/):
+# block_layer's keys with `fused`
+FUSED_OPTIONS = FusedOptions.names()
 _BOOL_KEYS = ('fused', 'token_major')
-OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + _BOOL_KEYS + _CONFIG_CHOICE_KEYS
+OVERRIDE_KEYS = ('img_size',) + _INT_KEYS + _FLOAT_KEYS + tuple(_CHOICE_KEYS) + ('fused', *FUSED_OPTIONS)
 
 
 def _as_int(key: str, v) -> int:
@@ -693,8 +683,21 @@ def _check_overrides(overrides: Mapping) -> dict:
                 raise UserError(f'model.{key} must be true or false, got {v!r}')
         elif key in _CHOICE_KEYS:
             v = _check_choice(f'model.{key}', v, _CHOICE_KEYS[key])
-        out[key] = v  # a _CONFIG_CHOICE_KEYS value: ResMLP checks it
+        out[key] = v  # a fused option's word: FusedOptions checks it
     return out
+
+
+def block_layer(fused: bool = False, **options):
+    """The blocks' class for model.fused and the fused blocks' options (FusedOptions,
+    each a model.<name> key): ResMLPBlock, or FusedResMLPBlock with them (ResMLP's
+    block_layer). An option away from the plain blocks' way without fused is a UserError."""
+    opts = FusedOptions(**options)
+    if fused:
+        return functools.partial(FusedResMLPBlock, options=opts)
+    for name, value, why in opts.unlike_plain():
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise UserError(f'model.{name}={shown} needs model.fused=true ({why})')
+    return ResMLPBlock
 
 
 def create_resmlp(name: str, **overrides) -> ResMLP:
@@ -708,38 +711,5 @@ def create_resmlp(name: str, **overrides) -> ResMLP:
     p = kwargs['patch_size']
     if p <= 0 or hw[0] % p or hw[1] % p:
         raise UserError(f'model.img_size {hw[0]}x{hw[1]} is not a multiple of model.patch_size {p}')
-    return ResMLP(**kwargs)
-
-
-def _timm_entry(name: str, pretrained: bool, kwargs: dict) -> ResMLP:
-    if pretrained:
-        raise UserError(f'{name} has no downloadable weights; load a state_dict with load_pretrained')
-    for k in ('pretrained_cfg', 'pretrained_cfg_overlay', 'cache_dir'):
-        kwargs.pop(k, None)
-    return create_resmlp(name, **kwargs)
-
-
-# timm entry points: timm.create_model('resmlp_s12', ...) works once this module is
-# imported. The names do not clash with timm's own resmlp_12_224 family.
-@register_model
-def resmlp_s12(pretrained: bool = False, **kwargs) -> ResMLP:
-    """ResMLP-S12: dim 384, 12 blocks, patch 16; 15,350,872 params, 3.0 GMACs at 224 px."""
-    return _timm_entry('resmlp_s12', pretrained, kwargs)
-
-
-@register_model
-def resmlp_s24(pretrained: bool = False, **kwargs) -> ResMLP:
-    """ResMLP-S24: dim 384, 24 blocks, patch 16; 30,020,680 params, 6.0 GMACs at 224 px."""
-    return _timm_entry('resmlp_s24', pretrained, kwargs)
-
-
-@register_model
-def resmlp_s36(pretrained: bool = False, **kwargs) -> ResMLP:
-    """ResMLP-S36: dim 384, 36 blocks, patch 16; 44,690,488 params, 8.9 GMACs at 224 px."""
-    return _timm_entry('resmlp_s36', pretrained, kwargs)
-
-
-@register_model
-def resmlp_b24(pretrained: bool = False, **kwargs) -> ResMLP:
-    """ResMLP-B24: dim 768, 24 blocks, patch 16 (B24/8: patch_size=8); 115,736,776 params."""
-    return _timm_entry('resmlp_b24', pretrained, kwargs)
+    blocks = block_layer(**{k: kwargs.pop(k) for k in ('fused', *FUSED_OPTIONS) if k in kwargs})
+    return ResMLP(**kwargs, block_layer=blocks)

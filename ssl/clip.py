@@ -1,5 +1,5 @@
 """DINO's gradient clipping: each parameter's gradient norm clipped on its own, which the
-plain step (step.py) and the graphed one (graphs.py) both apply."""
+plain step (step.py) and the graphed one (graphed_step.py) both apply."""
 from __future__ import annotations
 
 import torch

@@ -51,15 +51,15 @@ COLLAPSE_KL = {"mean": 0.35, "sinkhorn": 0.2}
 def collapse_kl(dino_cfg) -> float:
     """dino.collapse_kl, or the threshold for the run's centering when it is null."""
     value = dino_cfg.get("collapse_kl")
-    return float(value) if value is not None else COLLAPSE_KL[dino_cfg.get("centering", "mean")]
+    return float(value) if value is not None else COLLAPSE_KL[dino_cfg.centering]
 
 
 def drift_advice(dino_cfg) -> str:
     """What to change when the targets drift to uniform, for the setting the run is in: the
     remedies that the runs of docs/dino_learning.md found to stop that drift in it."""
-    sinkhorn = dino_cfg.get("centering", "mean") == "sinkhorn"
-    koleo = float(dino_cfg.get("koleo_weight", 0.0)) > 0
-    norm = dino_cfg.get("bottleneck_norm", "none") != "none"
+    sinkhorn = dino_cfg.centering == "sinkhorn"
+    koleo = float(dino_cfg.koleo_weight) > 0
+    norm = dino_cfg.bottleneck_norm != "none"
     if not (sinkhorn or koleo or norm):  # DINO as published
         return ("set DINOv2's dino.centering=sinkhorn with dino.koleo_weight=0.1, or this project's "
                 "dino.bottleneck_norm=batchnorm, which takes away the part of the head's output that every image "

@@ -5,7 +5,7 @@ the fit checked, the patch grid adapted). The head comes from the same checkpoin
 is this project's DINO checkpoint (`dino.init_head=auto|true|false`), else it is new; a new
 head first learns alone for `dino.head_warmup_epochs` on the frozen backbone (ssl/step.py:
 the backbone's parameters get no gradient and no update, the teacher follows the student's
-head only; the graphed step, ssl/graphs.py, does the same with values its graph reads), then
+head only; the graphed step, ssl/graphed_step.py, does the same with values its graph reads), then
 the backbone joins at `dino.init_lr_scale` times the schedule's learning rate. Why the
 defaults are what they are: configs/method/dino.yaml.
 

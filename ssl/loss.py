@@ -66,17 +66,19 @@ class DinoLoss(nn.Module):
     def __init__(self, dino_cfg):
         super().__init__()
         from lightly.loss import DINOLoss, KoLeoLoss
-        self.centering = dino_cfg.get("centering", "mean")  # its words: the limit in configs/method/dino.yaml
+        self.centering = dino_cfg.centering  # its words: the limit in configs/method/dino.yaml
         self.student_temp = float(dino_cfg.student_temp)
         self.dino = DINOLoss(dino_cfg.out_dim, student_temp=self.student_temp,
                              center_momentum=dino_cfg.center_momentum, warmup_teacher_temp_epochs=0)
         self.koleo_loss = KoLeoLoss()
         self.cross_entropy, self.centered_softmax = cross_entropy, centered_softmax
 
-    def compile_regions(self) -> None:
-        """The cross-entropy and the mean centering's targets compiled (compile=true)."""
+    def compile_regions(self, on: bool = True) -> None:
+        """The cross-entropy and the mean centering's targets compiled (compile=true), or
+        eager again (on=False: a run falling back)."""
         from resmlp.core.compiling import compiled
-        self.cross_entropy, self.centered_softmax = compiled(cross_entropy), compiled(centered_softmax)
+        wrap = compiled if on else (lambda fn: fn)
+        self.cross_entropy, self.centered_softmax = wrap(cross_entropy), wrap(centered_softmax)
 
     @property
     def center(self) -> torch.Tensor:
@@ -103,7 +105,12 @@ class DinoLoss(nn.Module):
             targets = self.targets(torch.cat(teacher_out), teacher_temp)
         loss = self.cross_entropy(targets, student_out, self.student_temp)
         if self.centering == "mean":
+            # lightly gives the center new storage at every update (`center.data = ...`); a CUDA
+            # graph would keep reading the old one. The new values go back into the one buffer.
+            kept = self.center.data
             self.dino.update_center(torch.stack(teacher_out).float())
+            kept.copy_(self.center.data)
+            self.center.data = kept
         return loss
 
     def koleo(self, global_features: torch.Tensor) -> torch.Tensor:

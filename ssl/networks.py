@@ -31,9 +31,10 @@ class MultiCropNet(nn.Module):
         self.head_precision = head_precision
         self.head_forward = head_forward
 
-    def compile_head(self) -> None:
+    def compile_head(self, on: bool = True) -> None:
+        """The head's call compiled as a region (on) or eager again (a run falling back)."""
         from resmlp.core.compiling import compiled
-        self.head_forward = compiled(head_forward)
+        self.head_forward = compiled(head_forward) if on else head_forward
 
     def forward(self, crops: list[torch.Tensor], global_features: bool = False):
         """The head's outputs of every crop, in the crops' order; with global_features,
@@ -89,7 +90,7 @@ def build_networks(cfg, plan, device, hooks: DinoHooks | None = None, start=None
         student_backbone.grid_adapt = plan.grid_adapt
     dim = student_backbone.num_features
     head = hooks.head or (lambda h, dino_cfg: h)
-    precision = cfg.dino.get("head_precision", "fp32")
+    precision = cfg.dino.head_precision
     check_choice("dino.head_precision", precision)   # a config built in code, not by load_config
     student = MultiCropNet(student_backbone, head(build_head(dim, cfg.dino), cfg.dino), precision)
     if start is not None and start.backbone is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from resmlp.core.checkpoint import atomic_write
 from resmlp.core.compile_cache import open_compile_cache
 from resmlp.core.cadence import Cadence
 from resmlp.core.run import Run, command, progress
@@ -22,10 +23,11 @@ from resmlp.data.datasets import fit_demo_subset
 from resmlp.data.folder import FileLists
 from resmlp.data.resumable import build_train_loader
 from resmlp.eval.judge import build_judge
+from resmlp.ssl.fallback import augmentation_fallback
 from resmlp.ssl.health import CollapseWatch, collapse_kl, collapse_warning, drift_advice
 from resmlp.ssl.init import continuing, record_start
 from resmlp.ssl.networks import DinoHooks
-from resmlp.ssl.step import build_dino_step, dino_schedules
+from resmlp.ssl.step import build_dino_step, dino_path, dino_schedules
 
 
 DEMO_TEXT = ("CPU demo: a small ResMLP (dim {c.model.dim}, depth {c.model.depth}, patch {c.model.patch_size}) on {n} "
@@ -36,10 +38,12 @@ LOG_LINE = ("loss {loss:.4f} lr {lr:.2e} wd {wd:.3f} m {momentum:.4f} T_t {teach
             "KL {teacher_kl_mean:.3f} {images_per_s:.0f} img/s")
 
 
-def build_data(cfg, run, plan, lists: FileLists | None = None):
-    """(the views of `plan`, the training split, its loader, its resumable sampler); `lists`:
-    the run's folder scans (data=folder)."""
-    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=run.device)
+def build_data(cfg, run, plan, path, lists: FileLists | None = None):
+    """(the views of `plan`, the training split, its loader, its resumable sampler); `path`:
+    the step's (ssl.step.dino_path: the views' augmentation compiles where the step does);
+    `lists`: the run's folder scans (data=folder)."""
+    views = build_views(cfg, plan, out_dtype=run.amp_dtype or torch.float32, device=run.device, path=path,
+                        on_compile_error=augmentation_fallback(cfg, run.print))
     dataset = build_dataset(cfg.data, train_split_for_ssl(cfg.data), lists=lists)
     loader, sampler = build_train_loader(dataset, views.transform, run.batch_per_rank, cfg.seed, cfg.num_workers,
                                          pin_memory=run.device.type == "cuda", keyed=views.keyed,
@@ -57,9 +61,9 @@ def train(cfg, hooks: DinoHooks | None = None):
     run = Run(cfg)
     start = continuing(cfg, run, hooks)  # dino.init: where the weights start (ssl/init.py), checked first
 
-    # ---- data: the multi-crop views of the training split ----------------------------------
-    plan = crop_plan(cfg)
-    views, dataset, loader, sampler = build_data(cfg, run, plan, lists)
+    # ---- data: the multi-crop views of the training split, made as the step runs -------------
+    plan, path = crop_plan(cfg), dino_path(cfg, run.device, run.scaler.is_enabled())
+    views, dataset, loader, sampler = build_data(cfg, run, plan, path, lists)
     if hooks.views:
         hooks.views(views, cfg)
     ipe = sampler.batches_per_epoch
@@ -69,8 +73,9 @@ def train(cfg, hooks: DinoHooks | None = None):
     judge.warn(run)
 
     # ---- the step: student, teacher, loss, optimizer (what the benchmark times too) --------
-    step = build_dino_step(cfg, plan, run.device, run.scaler, run.autocast, run.world_size, hooks, start)
-    run.print("\n".join(step.path.lines()))  # compiled how, graphed or not, and why a part is off
+    step = build_dino_step(cfg, plan, run.device, run.scaler, run.autocast, run.world_size, hooks, start, path=path,
+                           report=lambda line, taken: fell_back(run, line, taken, it + 1))  # `it`: the loop's
+    run.print("\n".join(run.start_lines(step.path)))  # the device, precision; compiled how, graphed or not, and why
     student, teacher = step.student, step.teacher
 
     # ---- schedules, per iteration: lr, weight decay, teacher momentum and temperature ----
@@ -98,7 +103,7 @@ def train(cfg, hooks: DinoHooks | None = None):
                        enabled=run.interactive)
         for batch in bar:
             crops = views.to_device(batch, run.device)
-            step(crops, *sched.at(it), epoch)
+            step(crops, sched.at(it), epoch)
             it += 1
             cadence.count(cfg.batch_size)
 
@@ -106,7 +111,8 @@ def train(cfg, hooks: DinoHooks | None = None):
             #    when its clock decides, else after_iteration; a stop signal on any rank stops all there
             if cadence.log_due(it):  # <- sync point: the device tally comes to the host
                 record = {**cadence.log_record(it), **sched.record(it - 1)}
-                log_line(run, record, bar, f"ep {epoch + 1}/{E} it {it}/{E * ipe} ", collapse, compile_cache)
+                log_line(run, record, bar, f"ep {epoch + 1}/{E} it {it}/{E * ipe} ", collapse, step)
+                compile_cache.save()  # what the step compiled since the last save (core/compile_cache.py)
             if cadence.checkpoint_due(it):  # <- sync point
                 cadence.checkpoint(it)
             cadence.after_iteration(it)
@@ -120,17 +126,25 @@ def train(cfg, hooks: DinoHooks | None = None):
         cadence.checkpoint(it)
 
     # ---- the end: the teacher's k-NN (and linear probe) on the test split ---------------------
-    if cfg.save_rank_weights:  # to check that DDP kept the ranks in step
-        save_rank_weights(run, step)
+    save_rank_weights(run, step)  # with save_rank_weights=true: to check that the ranks stayed in step
     judge.end(it)  # <- sync point
     # summed over every start: a finished run resumed again keeps its rate
     summary = run.finish(summarize(run, cfg, results, step, cadence.timing_report()["train_images_per_s"], judge))
     return run, step.raw_student, teacher, summary
 
 
+def fell_back(run, line: str, path, iteration: int) -> None:
+    """The step left its fast path (ssl/fallback.py): the `path:` line that says why, and the
+    path it takes from this iteration on in log.jsonl (results.json's `path` keeps it too)."""
+    run.print(line)
+    run.log({"iteration": iteration, "path": path.record()})
+
+
 def save_rank_weights(run, step) -> None:
-    torch.save({"student": step.raw_student.state_dict(), "teacher": step.teacher.state_dict()},
-               run.dir / f"weights_rank{run.rank}.pth")
+    if not run.cfg.save_rank_weights:
+        return
+    with atomic_write(run.dir / f"weights_rank{run.rank}.pth", what="the rank's weights") as f:
+        torch.save({"student": step.raw_student.state_dict(), "teacher": step.teacher.state_dict()}, f)
 
 
 def describe_run(cfg, run, plan, n_images: int, ipe: int, judge) -> str:
@@ -140,10 +154,11 @@ def describe_run(cfg, run, plan, n_images: int, ipe: int, judge) -> str:
             f"{plan.label()} px ({plan.strategy}, made on the {cfg.dino.augment}), run dir {run.dir}")
 
 
-def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch, compile_cache) -> None:
+def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch, step) -> None:
     """A log record into log.jsonl and TensorBoard, shown as the progress bar's loss or as a
-    printed line after `where`; the collapse watch reads its KL; what the step compiled since
-    the last line goes into the compile cache (core/compile_cache.py: after the first, all of it)."""
+    printed line after `where`; the collapse watch reads its KL. First the step's own check
+    (DinoStep.check: graphed under torchrun, every gradient still in the buffer it all-reduces)."""
+    step.check()
     run.log(record, step=record["iteration"])
     if run.interactive:
         bar.set_postfix(loss=f"{record['loss']:.3f}")
@@ -153,7 +168,6 @@ def log_line(run, record: dict, bar, where: str, collapse: CollapseWatch, compil
     warning = collapse.update(record["teacher_kl_mean"])
     if warning:
         run.print(f"warning: {warning}")
-    compile_cache.save()
 
 
 def summarize(run, cfg, results: dict, step, images_per_s: float, judge) -> dict:

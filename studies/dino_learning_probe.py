@@ -135,10 +135,7 @@ def without_photometric(views, cfg):
     from resmlp.data.gpu_augment import GpuMultiCrop
     if views.batch_augment is None:
         sys.exit("NO_PHOTOMETRIC=1 changes the device augmentation: it needs dino.augment=device")
-    from resmlp.core.compiling import compile_form
-    from resmlp.core.dist import pick_device
-    compiled = compile_form(cfg.compile, pick_device(cfg.device), cfg.command)[0] is not None  # as the trainer's
-    views.batch_augment = GpuMultiCrop.from_plan(views.plan, cfg.data, compile=compiled,
+    views.batch_augment = GpuMultiCrop.from_plan(views.plan, cfg.data, compile=views.batch_augment.compiled,
                                                  out_dtype=views.batch_augment.out_dtype,
                                                  jitter_prob=0.0, solarize_prob=0.0)
 

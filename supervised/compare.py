@@ -38,6 +38,8 @@ from resmlp.core import dist
 from resmlp.core.checkpoint import load_checkpoint
 from resmlp.core.config import load_config, save_config, to_dict
 from resmlp.core.errors import UserError
+from resmlp.core.plain_config import read_config_yaml
+from resmlp.core.report import write_figure, write_json, write_text
 from resmlp.core.run import command
 from resmlp.core.run_folder import (INPUT_KEYS, default_run_name, input_changed, other_run, record_inputs,
                                     settings_differences)
@@ -144,7 +146,7 @@ def finished(step: Step, sub_cfg) -> dict | None:
         return None
     if not cfg_file.exists():
         raise UserError(f"{step.dir} has results.json but no config.yaml; delete it or use out=<another dir>")
-    saved = OmegaConf.to_container(OmegaConf.load(cfg_file))
+    saved = read_config_yaml(cfg_file)
     diffs = settings_differences(saved, to_dict(sub_cfg))
     if diffs:
         more = f" and {len(diffs) - 1} more" if len(diffs) > 1 else ""
@@ -178,13 +180,16 @@ def run_step(step: Step, sub_cfg) -> dict:
         t0 = time.time()
         eval_linear.run(sub_cfg)
         lin = json.loads((step.dir / "linear.json").read_text()) if dist.is_main() else {}
-        results = {"command": "linear", "mode": sub_cfg.linear.mode, "epochs": sub_cfg.linear.epochs,
-                   "top1": lin.get("top1"), "top5": lin.get("top5"), "lr": lin.get("lr"),
+        # what the protocol chose: lbfgs an L2 and no epochs (it fits to its optimum), dino an lr
+        chose = ({"l2": lin.get("l2")} if lin.get("protocol") == "lbfgs"
+                 else {"epochs": sub_cfg.linear.epochs, "lr": lin.get("lr")})
+        results = {"command": "linear", "protocol": lin.get("protocol"), "mode": sub_cfg.linear.mode, **chose,
+                   "top1": lin.get("top1"), "top5": lin.get("top5"),
                    "wall_time_s": round(time.time() - t0, 1), "device": device_name(dist.pick_device(sub_cfg.device))}
         if dist.is_main():
             save_config(sub_cfg, step.dir / "config.yaml")
             record_inputs(step.dir, sub_cfg, weights_key(step))
-            (step.dir / "results.json").write_text(json.dumps(results, indent=2))
+            write_json(step.dir / "results.json", results)
         dist.barrier()
         return results
     raise AssertionError(step.command)
@@ -258,8 +263,7 @@ def rows(cfg, res: dict[str, dict]) -> list[dict]:
                                     f"T={dino.get('knn_T', 0.07)})", params=dino.get("params"),
              epochs=f"{dino.get('epochs')}", top1=dino.get("knn_top1"), top5=dino.get("knn_top5"),
              wall_s=dino_wall, note="", device=dino.get("device")),
-        dict(path="dino_linear", label=f"pre-trained SSL (DINO) + linear probe ({lin.get('mode')})",
-             params=dino.get("params"), epochs=f"{dino.get('epochs')} + {lin.get('epochs')}", top1=lin.get("top1"),
+        dict(path="dino_linear", **probe_cells(dino, lin), params=dino.get("params"), top1=lin.get("top1"),
              top5=lin.get("top5"), wall_s=add(dino_wall, lin.get("wall_time_s")), note="incl. DINO",
              device=lin.get("device")),
         dict(path="finetune", label="pre-trained SSL (DINO) + fine-tuning", params=ft.get("params"),
@@ -269,6 +273,19 @@ def rows(cfg, res: dict[str, dict]) -> list[dict]:
     for r in table:
         r["paper_top1"] = paper.get(r["path"])
     return table
+
+
+def probe_cells(dino: dict, lin: dict) -> dict:
+    """The linear path's label and epochs, saying what ran, from its results: lbfgs on
+    cached features names the L2 it chose (on held-out training images) and has no epochs
+    of its own (it fits to its optimum); DINO's protocol has its epochs after DINO's. A
+    run from before linear.protocol ran DINO's."""
+    if lin.get("protocol") == "lbfgs":
+        l2 = lin.get("l2")
+        return {"label": f"pre-trained SSL (DINO) + linear probe (lbfgs on {lin.get('mode')} features"
+                         + ("" if l2 is None else f", L2 {l2:g}") + ")", "epochs": f"{dino.get('epochs')}"}
+    return {"label": f"pre-trained SSL (DINO) + linear probe (DINO's protocol, {lin.get('mode')})",
+            "epochs": f"{dino.get('epochs')} + {lin.get('epochs')}"}
 
 
 def _pct(v) -> str:
@@ -295,7 +312,9 @@ def markdown(cfg, table: list[dict], root: Path) -> str:
         paper = "-" if r["paper_top1"] is None else f"{r['paper_top1']:.1f}"
         lines.append(f"| {r['label']} | {params} | {r['epochs']} | {_pct(r['top1'])} | {_pct(r['top5'])} | "
                      f"{wall} | {r['device'] or '-'} | {paper} |")
-    lines += ["", "Epochs `a + b`: DINO pre-training epochs + probe / fine-tuning epochs; wall times include "
+    lines += ["", "Epochs `a + b`: DINO pre-training epochs + probe / fine-tuning epochs (the lbfgs linear probe "
+              "has none: it fits to its optimum, the L2 in its label chosen on held-out training images); "
+              "wall times include "
               "the runs a path depends on. The paper's column is ImageNet-1k val top-1 (400 epochs supervised "
               "and distilled, 300 DINO epochs; Tables 2-3), for the shape of the comparison only.", ""]
     return "\n".join(lines)
@@ -321,7 +340,7 @@ def plot(cfg, table: list[dict], path: Path) -> None:
     ax.set_title(f"{cfg.model.name} on {cfg.data.name}" + (" (CPU demo budgets)" if cfg.demo else ""), fontsize=10)
     ax.legend(fontsize=8, loc="upper right", ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -330,8 +349,8 @@ def write_report(cfg, res: dict[str, dict]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     table = rows(cfg, res)
     md = markdown(cfg, table, root)
-    (root / "compare.md").write_text(md)
-    (root / "compare.json").write_text(json.dumps(
+    write_text(root / "compare.md", md)
+    write_text(root / "compare.json", json.dumps(
         {"model": cfg.model.name, "data": cfg.data.name, "demo": bool(cfg.demo),
          "budget": {"epochs": to_dict(cfg.compare.epochs), "linear_mode": cfg.compare.linear_mode,
                     "batch_size": cfg.batch_size, "data_subset": cfg.data.subset, "common": list(cfg.compare.common)},

@@ -175,7 +175,7 @@ def step_budget(cfg, n_images: int, ipe: int) -> tuple[dict, str | None]:
     checkpoints with them, so the schedule keeps its shape. The config stays as asked (its
     config.yaml, what a rerun compares); results.json says what ran."""
     plan = {"epochs": int(cfg.epochs), "warmup_epochs": float(cfg.optim.warmup_epochs),
-            "eval_every": int(cfg.eval_every), "ckpt_epochs": int(cfg.get("ckpt_epochs", 1))}
+            "eval_every": int(cfg.eval_every), "ckpt_epochs": int(cfg.ckpt_epochs)}
     least = int(cfg.finetune.min_steps) if cfg.command == "finetune" else 0
     asked = plan["epochs"] * ipe
     if asked >= least:
@@ -252,7 +252,7 @@ def train(cfg):
     model, teacher, info = build_networks(cfg, n_classes, device)
     n_params = sum(p.numel() for p in model.parameters())
     step = build_supervised_step(cfg, model, teacher, n_classes, run)
-    for line in step.path.lines():  # compiled how, and why not
+    for line in run.start_lines(step.path):  # the device, precision; compiled how, and why not
         run.print(line)
     o = cfg.optim
     base_lr = scaled_lr(o, cfg.batch_size)

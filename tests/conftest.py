@@ -14,6 +14,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_secret(tmp_path_factory):
+    """The secret that signs compile caches (core/cache_trust.py), in a folder of the
+    session's: a compiled test run never makes one in the user's ~/.cache. Subprocesses
+    inherit it."""
+    from resmlp.core.cache_trust import SECRET_ENV
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("secret") / "compile_cache.secret"
+        mp.setenv(SECRET_ENV, str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def short_knn(tmp_path_factory) -> list[str]:
     """Overrides that judge a DINO run on a small labeled image folder (eval.data, eval.root):

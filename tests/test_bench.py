@@ -1,5 +1,6 @@
-"""The benchmark: the tiny profile runs every row on the CPU, and the two DINO steps it
-compares compute the same thing (so the speed ratio compares like with like)."""
+"""The bench (tools/bench, `bash run.sh bench`): the tiny profile runs every row on the CPU, and
+the two DINO steps it compares compute the same thing (so the speed ratio compares like with
+like); the k-NN baseline in its own process; the profile and the cost scripts."""
 import importlib.util
 import json
 from pathlib import Path
@@ -7,21 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from resmlp.bench import rows as R
-from resmlp.bench.bench import Context, render
-from resmlp.bench.reference import RefDinoStep, build_reference_networks
-from resmlp.core.cli import main
-from resmlp.core.config import load_config
-from resmlp.models import convert_state_dict, load_pretrained
+from bench import dino as D
+from bench import knn as K
+from bench import step as S
+from bench.bench import Context, main, render
+from bench.config import bench_profile
+from bench.reference import RefDinoStep, build_reference_networks
+from bench.timing import peak_memory_gb
 from resmlp.data.crop_plan import crop_plan
+from resmlp.models import convert_state_dict, load_pretrained
 
 
 def tiny_profile():
-    return load_config("bench", "resmlp_s12", ["bench.profile=tiny"]).bench.tiny
+    return bench_profile("tiny")
 
 
 def test_tiny_profile_measures_every_row(tmp_path):
-    assert main(["bench", "bench.profile=tiny", f"out={tmp_path}"]) == 0
+    assert main(["bench.profile=tiny", f"out={tmp_path}"]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = report["rows"]
     # faiss is optional (the GPU image has none): its line is then SKIPPED, never an error
@@ -32,7 +35,7 @@ def test_tiny_profile_measures_every_row(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r["row"], []).append(r)
-    assert set(by) == {"peak", "dino", "e2e", "torchrun", "inference", "knn", "aug", "loader"}
+    assert set(by) == {"peak", "dino", "e2e", "torchrun", "inference", "knn", "linear", "aug", "loader"}
     assert report["meta"]["torch"] == torch.__version__ and report["meta"]["date"]
     assert by["peak"][0]["tflops"] > 0 and by["peak"][1]["impl"] == "device-to-device copy"
     assert by["peak"][1]["tb_per_s"] > 0
@@ -73,6 +76,7 @@ def test_tiny_profile_measures_every_row(tmp_path):
     assert knn["torch"]["top1"] > 20  # chance is 20
     if has_faiss:
         assert knn["torch"]["top1"] == knn["faiss-cpu"]["top1"]  # the same exact neighbours
+    assert [r["protocol"] for r in by["linear"]] == ["lbfgs", "dino"]   # tests below: what they hold
 
     aug = {r["impl"]: r for r in by["aug"]}
     assert len(aug) == 5 and all(r["images_per_s"] > 0 for r in aug.values())
@@ -92,9 +96,9 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
     EMA, on-device bookkeeping and fp32 head compute what DINO's loops compute."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    cfg = R.dino_config(tiny_profile(), "resmlp_s12", strategy, ["model.drop_path_rate=0.0"])
+    cfg = S.dino_config(tiny_profile(), "resmlp_s12", strategy, ["model.drop_path_rate=0.0"])
     plan = crop_plan(cfg)
-    ours = R.build_our_step(cfg, cpu, "fp32", compile=False)
+    ours = S.build_our_step(cfg, cpu, "fp32", compile=False)
     student, teacher = build_reference_networks(cfg, plan, cpu, backbone)
     ref = RefDinoStep(student, teacher, cfg.dino.out_dim, plan.n_crops, cpu, fp16=False)
     if backbone == "timm":
@@ -104,9 +108,9 @@ def test_reference_step_and_ours_compute_the_same_step(strategy, backbone):
     ours.student.head.load_state_dict(student.head.state_dict())
     ours.teacher.load_state_dict(ours.student.state_dict())
     for seed in range(3):
-        crops = R.synthetic_crops(plan, 4, cpu, seed=seed)
-        loss_ours = R.call_step(ours, crops)
-        loss_ref = R.call_step(ref, crops)
+        crops = S.synthetic_crops(plan, 4, cpu, seed=seed)
+        loss_ours = S.call_step(ours, crops)
+        loss_ref = S.call_step(ref, crops)
         assert torch.allclose(loss_ours, loss_ref, rtol=1e-5, atol=1e-6), seed
     assert torch.allclose(ours.loss_fn.center.reshape(-1), ref.loss_fn.center.reshape(-1), atol=1e-6)
     for mine, theirs in ((ours.teacher, teacher), (ours.student, student)):
@@ -124,18 +128,18 @@ def test_the_fused_knob_crosses_every_line_of_ours(monkeypatch):
     at the profile's batch and the largest one, labelled "ours fused ..." where true and as
     before where false; the reference and the batch search once; the search with the plain
     step (the larger one), and each line's step built with its own model.fused."""
-    p = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.compile=[false,true]",
-                                           "bench.tiny.graphs=[eager,compile]", "bench.tiny.largest_batch=true",
-                                           "bench.tiny.strategies=[subgrid]", "bench.tiny.interleave=false"]).bench.tiny
+    p = bench_profile("tiny", ["bench.tiny.compile=[false,true]", "bench.tiny.graphs=[eager,compile]",
+                               "bench.tiny.largest_batch=true", "bench.tiny.strategies=[subgrid]",
+                               "bench.tiny.interleave=false"])
     built = []
-    monkeypatch.setattr(R, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False:
+    monkeypatch.setattr(D, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False:
                         built.append((bool(comp), graphs, fused, batch)) or {"images_per_s": 1.0})
-    monkeypatch.setattr(R, "_dino_reference", lambda *a: {"images_per_s": 1.0})
-    monkeypatch.setattr(R, "build_our_step", lambda cfg, *a, **k: built.append(("search", cfg.model.fused)))
-    monkeypatch.setattr(R, "synthetic_crops", lambda plan, batch, dev: [])
-    monkeypatch.setattr(R, "call_step", lambda step, crops: None)
+    monkeypatch.setattr(D, "_dino_reference", lambda *a: {"images_per_s": 1.0})
+    monkeypatch.setattr(D, "build_our_step", lambda cfg, *a, **k: built.append(("search", cfg.model.fused)))
+    monkeypatch.setattr(D, "synthetic_crops", lambda plan, batch, dev: [])
+    monkeypatch.setattr(D, "call_step", lambda step, crops: None)
     ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
-    R.dino_family(ctx)
+    D.dino_family(ctx)
     lines = [(r["impl"], r["batch"]) for r in ctx.results if r["impl"] != "largest batch search"]
     kinds = ("eager", "compile", "eager+graphs", "compile+graphs")
     want = [(f"ours {f}{k}", b) for b in (4, 8) for f in ("", "fused ") for k in kinds]
@@ -156,17 +160,17 @@ def test_compiled_step_equals_eager():
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    cfg = R.dino_config(tiny_profile(), "resmlp_s12", "subgrid", ["model.drop_path_rate=0.0"])
+    cfg = S.dino_config(tiny_profile(), "resmlp_s12", "subgrid", ["model.drop_path_rate=0.0"])
     plan = crop_plan(cfg)
-    steps = {c: R.build_our_step(cfg, cpu, "fp32", compile=c) for c in (False, True)}
+    steps = {c: S.build_our_step(cfg, cpu, "fp32", compile=c) for c in (False, True)}
     steps[True].student.load_state_dict(steps[False].student.state_dict())
     steps[True].teacher.load_state_dict(steps[False].teacher.state_dict())
-    crops = R.synthetic_crops(plan, 4, cpu)
+    crops = S.synthetic_crops(plan, 4, cpu)
     torch._dynamo.reset()
     counters.clear()
     try:
         for _ in range(2):  # the second step sees the first one's optimizer state and EMA
-            losses = {c: R.call_step(step, [x.clone() for x in crops]) for c, step in steps.items()}
+            losses = {c: S.call_step(step, [x.clone() for x in crops]) for c, step in steps.items()}
             assert torch.allclose(losses[True], losses[False], rtol=1e-4, atol=1e-5)
         assert counters["stats"]["unique_graphs"] == 3 + 2 + 2 and cfg.model.depth == 2
     finally:
@@ -180,18 +184,20 @@ def test_compiled_step_equals_eager():
 
 
 def test_the_knn_row_times_a_baseline_alternated_and_the_pass_alone(tmp_path, capsys):
-    """knn.baseline: another knn_search.py timed against ours in alternating repeats, with
-    a check that both give the same votes; torch-fp16 runs the pass in float16 on this
-    device; torch-pass times the candidate pass alone. A baseline that is not a file: one
-    line, exit 2, nothing written."""
+    """knn.baseline: another knn_search.py timed against ours in alternating repeats, in a
+    process of its own, with a check that both give the same votes; torch-fp16 runs the pass
+    in float16 on this device (the baseline too, where its knn_search takes pass_dtype, else
+    no baseline at that dtype); torch-pass times the candidate pass by its spans. A baseline
+    that is not a file: one line, exit 2, nothing written."""
     import shutil
+    import sys
     from pathlib import Path
 
     import resmlp.eval.knn_search as ours
     base = tmp_path / "knn_before.py"
     shutil.copy(ours.__file__, base)
     out = tmp_path / "bench"
-    assert main(["bench", "bench.profile=tiny", f"out={out}", "bench.rows=[knn]", f"bench.tiny.knn.baseline={base}",
+    assert main(["bench.profile=tiny", f"out={out}", "bench.rows=[knn]", f"bench.tiny.knn.baseline={base}",
                  "bench.tiny.knn.backends=[torch,torch-fp16,torch-pass]"]) == 0
     knn = {r["backend"]: r for r in json.loads((out / "bench.json").read_text())["rows"] if r["row"] == "knn"}
     for backend in ("torch", "torch-fp16"):
@@ -199,22 +205,76 @@ def test_the_knn_row_times_a_baseline_alternated_and_the_pass_alone(tmp_path, ca
         assert r["status"] == "ok" and r["same_as_baseline"] is True and r["baseline"] == str(base), r
         assert len(r["repeats"]) == len(r["baseline_repeats"]) == 2 and r["vs_baseline"] > 0
     assert knn["torch-fp16"]["pass_dtype"] == "float16" and "pass_dtype" not in knn["torch"]
-    assert knn["torch-pass"]["status"] == "ok" and "30 candidates, tiles of" in knn["torch-pass"]["note"]
-    assert 0 < knn["torch-pass"]["matmul_s"] and 0 < knn["torch-pass"]["maxima_s"]
-    assert ours._TorchSearch.DTYPES["cpu"] == torch.float32            # put back
+    assert knn["torch-pass"]["status"] == "ok" and "30 candidates in its first round" in knn["torch-pass"]["note"]
+    assert 0 < knn["torch-pass"]["matmul_s"] <= knn["torch-pass"]["maxima_s"] <= knn["torch-pass"]["seconds"]
+    assert "knn_search_baseline" not in sys.modules   # the baseline ran in its own process
+    # a baseline from before knn_search's pass_dtype: timed at its own dtype only
+    old = tmp_path / "knn_older.py"
+    old.write_text(base.read_text().replace("pass_dtype: torch.dtype | None = None) ->", ") ->")
+                   .replace("_TorchSearch(train, dev, budget, pass_dtype)", "_TorchSearch(train, dev, budget)"))
+    out = tmp_path / "older"
+    assert main(["bench.profile=tiny", f"out={out}", "bench.rows=[knn]", f"bench.tiny.knn.baseline={old}",
+                 "bench.tiny.knn.backends=[torch,torch-fp16]"]) == 0
+    knn = {r["backend"]: r for r in json.loads((out / "bench.json").read_text())["rows"] if r["row"] == "knn"}
+    assert knn["torch"]["same_as_baseline"] is True and "vs_baseline" not in knn["torch-fp16"]
+    assert "takes no pass_dtype" in knn["torch-fp16"]["baseline_note"]
     capsys.readouterr()
     missing = tmp_path / "missing"
-    assert main(["bench", "bench.profile=tiny", f"out={missing}", "bench.rows=[knn]",
+    assert main(["bench.profile=tiny", f"out={missing}", "bench.rows=[knn]",
                  f"bench.tiny.knn.baseline={tmp_path / 'nope.py'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "knn.baseline" in err[0] and "no such file" in err[0]
     assert not Path(missing).exists()
 
 
+def test_the_linear_row_times_the_linear_commands_default_and_dinos_protocol(tmp_path, capsys):
+    """The lbfgs line is the `linear` command's default probe on the row's features, whole
+    (every L2 of configs/method/linear.yaml's grid, the held-out part, the refit), its time
+    split into the selection and the refit, its passes counted; the dino line times a few of
+    DINO's epochs and counts the rest at the last one's time. The features are seeded and
+    scaled per dimension. A protocol the row has not: one line, exit 2."""
+    from bench import linear as L
+    from resmlp.eval.linear import default_probe, probe_cached
+    out = tmp_path / "bench"
+    assert main(["bench.profile=tiny", f"out={out}", "bench.rows=[linear]"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    lines = {r["protocol"]: r for r in report["rows"] if r["row"] == "linear"}
+    probe, p = default_probe(), tiny_profile().linear
+    lb = lines["lbfgs"]
+    assert (lb["status"], lb["n_train"], lb["dim"], lb["classes"]) == ("ok", p.n_train, p.dim, p.classes)
+    assert [r["l2"] for r in lb["per_l2"]] == sorted(probe.l2) and lb["l2"] in probe.l2
+    assert lb["l2s"] == sum("skipped" not in r for r in lb["per_l2"]) >= 1
+    assert 0 < lb["selection_s"] < lb["seconds"] and lb["refit_s"] == pytest.approx(lb["seconds"] - lb["selection_s"])
+    tried = [r for r in lb["per_l2"] if "skipped" not in r]
+    assert lb["iterations"] == sum(r["iterations"] for r in tried) + lb["refit_iterations"] < lb["passes"]
+    assert lb["converged"] is True and lb["top1"] > 100 / p.classes
+    # the command's own probe on the same features chooses the same L2 and scores the same
+    features = L.linear_features(p)
+    res = probe_cached(*features, probe, seed=0, device="cpu")
+    assert (res["l2"], res["top1"]) == (lb["l2"], lb["top1"])
+    dino = lines["dino"]
+    assert (dino["status"], dino["epochs"], dino["epochs_full"]) == ("ok", p.dino_epochs, probe.epochs)
+    assert dino["seconds_full"] == pytest.approx(dino["seconds"] + (probe.epochs - p.dino_epochs) * dino["epoch_s"])
+    assert dino["lrs"] == len(probe.lrs) and "not the protocol's" in dino["note"]
+    assert any(s["what"].startswith("linear probe (lbfgs, the default)") for s in report["summary"])
+    assert "== linear: " in capsys.readouterr().out
+    # seeded, every dimension at its own scale (the probe standardizes them)
+    again = L.linear_features(p)
+    assert all(torch.equal(a, b) for a, b in zip(features[:4], again[:4]))
+    spread = features[0].std(0)
+    assert spread.max() / spread.min() > 10
+    never = tmp_path / "never"
+    assert main(["bench.profile=tiny", f"out={never}", "bench.rows=[linear]", "bench.tiny.linear.protocols=[sgd]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bench.tiny.linear.protocols" in err[0] and "lbfgs, dino" in err[0], err
+    assert main(["bench.profile=tiny", f"out={never}", "bench.rows=[linear]", "bench.tiny.linear.dino_epochs=1"]) == 2
+    assert "bench.tiny.linear.dino_epochs" in capsys.readouterr().err and not never.exists()
+
+
 def test_a_failing_line_is_reported_and_the_rest_go_on():
     ctx = Context(torch.device("cpu"), "tiny", tiny_profile(), ["resmlp_s12"], False)
     ctx.attempt("knn", {"backend": "broken"}, lambda: 1 / 0)
-    ctx.attempt("knn", {"backend": "absent"}, lambda: (_ for _ in ()).throw(R.Skip("not installed")))
+    ctx.attempt("knn", {"backend": "absent"}, lambda: (_ for _ in ()).throw(S.Skip("not installed")))
     ctx.attempt("knn", {"backend": "fine"}, lambda: {"seconds": 0.5, "queries": 10})
     assert [r["status"] for r in ctx.results] == ["error", "skipped", "ok"]
     meta = {"cpu": "cpu", "cpu_cores": 2, "torch_threads": 1, "load_average": [0.0], "torch": "x", "date": "d"}
@@ -242,7 +302,7 @@ def test_each_line_reports_its_own_peak_memory(monkeypatch):
     def line(n_gb):
         def fn():
             allocate(n_gb)
-            return {"mem_gb": R.peak_memory_gb(ctx.device)}
+            return {"mem_gb": peak_memory_gb(ctx.device)}
         return fn
     ctx.attempt("dino", {"impl": "reference", "batch": 512}, line(57.6))
     ctx.attempt("knn", {"backend": "torch-device"}, line(3.5))
@@ -254,10 +314,10 @@ def test_each_line_reports_its_own_peak_memory(monkeypatch):
 
 
 def test_the_knn_profile_times_the_bench_knn_by_phase(tmp_path, capsys):
-    """`python -m resmlp.bench.profile profile.phases=knn`: the bench's knn row at a bench
+    """`python -m bench.profile profile.phases=knn`: the bench's knn row at a bench
     profile's sizes, timed whole and by phase, its votes unchanged by the clock; bad values
     of its keys: one line, exit 2, nothing written."""
-    from resmlp.bench import profile
+    from bench import profile
     out = tmp_path / "prof"
     assert profile.main(["profile.phases=knn", "profile.knn=tiny", "profile.steps=2", f"profile.out={out}"]) == 0
     report = json.loads((out / "profile.json").read_text())
@@ -291,17 +351,17 @@ def test_lines_needing_an_absent_package_are_skipped(monkeypatch):
     ctx = Context(torch.device("cpu"), "tiny", tiny_profile(), ["resmlp_s12"], False)
     labels = torch.zeros(50, dtype=torch.long)
     data = (torch.randn(50, 8), labels, torch.randn(5, 8), labels[:5], 2)
-    ctx.attempt("dino", {"impl": "ours"}, R.need_lightly)
-    ctx.attempt("knn", {"backend": "faiss-cpu"}, lambda: R._knn_one(ctx, "faiss-cpu", data))
-    ctx.attempt("knn", {"backend": "torch"}, lambda: R._knn_one(ctx, "torch", data))
+    ctx.attempt("dino", {"impl": "ours"}, S.need_lightly)
+    ctx.attempt("knn", {"backend": "faiss-cpu"}, lambda: K._knn_one(ctx, "faiss-cpu", data))
+    ctx.attempt("knn", {"backend": "torch"}, lambda: K._knn_one(ctx, "torch", data))
     assert [r["status"] for r in ctx.results] == ["skipped", "skipped", "ok"]
 
 
 def test_compile_cost_times_each_mode_in_a_fresh_process(tmp_path, capsys):
-    """bench/compile_cost.py's plumbing (the eager mode: compiling is what costs minutes
+    """tools/bench/compile_cost.py's plumbing (the eager mode: compiling is what costs minutes
     here; tests/test_compiling.py checks what compile=true compiles), and its one-line
     refusal of an unknown mode."""
-    from resmlp.bench import compile_cost
+    from bench import compile_cost
     tiny = ["model.dim=16", "model.depth=2", "batch_size=2", "dino.out_dim=64", "dino.hidden_dim=32",
             "dino.bottleneck_dim=16", "device=cpu"]
     out = tmp_path / "cost.json"
@@ -336,7 +396,7 @@ def recorded_profile(which: str) -> list[dict]:
     ("kernels_compiled", {"GEMM": 6, "elementwise": 6, "reduction": 3}),
     ("kernels_eager", {"GEMM": 3, "elementwise": 7, "copy": 3, "reduction": 2})])
 def test_the_recorded_kernels_of_a_real_profile_fall_into_their_classes(which, counts):
-    from resmlp.bench import kernel_classes as KC
+    from bench import kernel_classes as KC
     top = recorded_profile(which)
     for k in top:
         want = next(cls for marker, cls in MARKERS if marker in k["name"])
@@ -363,7 +423,7 @@ def test_each_class_is_held_against_its_floor_at_the_measured_rates():
     """The 2026-11-27 figures: the compiled preset step's 13.50 TFLOP of matmuls (gpu_step_budget.md)
     at that run's measured 720.4 TFLOP/s, and its GELU backward (24 launches of 0.2145 ms, each
     reading dh and u and writing du: 604 MB) at 3.35 TB/s: 18.7 ms, and 84% of HBM."""
-    from resmlp.bench import kernel_classes as KC
+    from bench import kernel_classes as KC
     bench = json.loads((H100_27 / "bench.json").read_text())
     tflops = next(r["tflops"] for r in bench["rows"] if r["row"] == "peak")
     gelu = next(k for k in recorded_profile("kernels_compiled") if k["name"].startswith("triton_poi_fused_gelu_gelu"))
@@ -390,7 +450,7 @@ def test_a_gpu_kernels_bytes_are_its_launching_ops_arguments():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    from resmlp.bench import kernel_classes as KC
+    from bench import kernel_classes as KC
     fused = FunctionEvent(id=1, name="triton_poi_fused_add_0", thread=0, start_us=0, end_us=9,
                           input_shapes=[[512, 384], [512, 384], [384], []],
                           input_dtypes=["c10::BFloat16", "float", "float", "Scalar"])
@@ -417,7 +477,7 @@ def test_a_cpu_profile_classes_the_ops_and_counts_their_bytes():
     of its class, with the bytes of its arguments."""
     from torch.profiler import ProfilerActivity, profile
 
-    from resmlp.bench import kernel_classes as KC
+    from bench import kernel_classes as KC
     a, b = torch.randn(256, 128), torch.randn(128, 64)
     x = torch.randn(64, 100, dtype=torch.bfloat16)
 
@@ -442,9 +502,9 @@ def test_a_cpu_profile_classes_the_ops_and_counts_their_bytes():
 
 
 def test_the_step_profile_keeps_every_kernel_by_class(tmp_path):
-    """bench/profile.py on a tiny step on this CPU: the rates measured first, then the eager
+    """tools/bench/profile.py on a tiny step on this CPU: the rates measured first, then the eager
     step's every op in its class against its floor, in profile.json."""
-    from resmlp.bench import profile
+    from bench import profile
     out = tmp_path / "prof"
     tiny = ["device=cpu", "model.dim=16", "model.depth=2", "dino.out_dim=64", "dino.hidden_dim=32",
             "dino.bottleneck_dim=16", "dino.n_local_crops=2", "data.img_size=32", "model.patch_size=8",
@@ -465,7 +525,7 @@ def test_the_step_profile_keeps_every_kernel_by_class(tmp_path):
 
 
 def test_the_torchrun_row_runs_the_step_module_in_a_one_process_job(tmp_path):
-    from resmlp.bench.torchrun_step import torchrun_argv
+    from bench.torchrun_step import torchrun_argv
     argv = torchrun_argv(tmp_path / "spec.json", tmp_path / "out.json", python="python3")
     assert argv == ["python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                    "-m", "resmlp.bench.torchrun_step", str(tmp_path / "spec.json"), str(tmp_path / "out.json")]
+                    "-m", "bench.torchrun_step", str(tmp_path / "spec.json"), str(tmp_path / "out.json")]

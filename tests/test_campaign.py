@@ -3,9 +3,11 @@ its process group mid-stage, the second on a fresh machine with only the last re
 window nearly spent, then the next window's call), which ends with every figure of every call
 in the last report and nothing measured twice; when a stage may start (its requirement, the
 window's end, the preset's prediction from its config and from the 2026-11-26 H100 log); the
-stages' order and pytest bookkeeping; the preset's graphs decision; the bench's lines shared
-between its two stages; the awaited keys of other branches; the profiles in summary.json; the
-checkpoint cadence and its time in the results; bad input; the report folder's limits."""
+stages' order and pytest bookkeeping; the default command first, with its resume (its
+command line, tools/campaign/starts.py, its output and results into figures); the preset's graphs
+decision; the bench's lines shared between its two stages; the awaited keys of other
+branches; the profiles in summary.json; the checkpoint cadence and its time in the results;
+bad input; the report folder's limits."""
 import ast
 import json
 import os
@@ -35,10 +37,11 @@ from campaign.folder import MAX_BYTES, ReportError, write_report
 from campaign.plan import plan
 from campaign.predict import measured, predict, schedule
 from campaign.tests import TestsStage, note_test_line
-from campaign.training import PresetStage, TrainingStage, graphs_decision
-from resmlp.bench import bench as B
-from resmlp.bench import rows as R
-from resmlp.bench.bench import Context
+from campaign.training import DefaultStage, PresetStage, TrainingStage, graphs_decision
+from bench import bench as B
+from bench import dino as D
+from bench.bench import Context
+from bench.config import bench_config
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
 
@@ -127,8 +130,8 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     reports = [tmp_path / f"report{i}" for i in (1, 2, 3)]
     tiny = load_campaign(TINY).campaign.tiny
 
-    # the window's call 1: the tests, the profiles, then the preset, whose prediction fits; the
-    # tool's kill of the whole group lands in its first epoch
+    # the window's call 1: the default command and its resume, the tests, the profiles, then the
+    # preset, whose prediction fits; the tool's kill of the whole group lands in its first epoch
     rc, lines1, pgid = call(out, reports[0], window=100000, kill=r"^ep 1/2 it 2/6 ")
     assert rc == -signal.SIGKILL, lines1[-20:]
     deadline = time.time() + 10
@@ -136,10 +139,19 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
         time.sleep(0.2)
     assert not alive_in_group(pgid), "a process of the killed call outlived it"
     s1, st1 = summary(reports[0])
-    assert [st1[n]["status"] for n in ("tests", "profile_preset", "profile_224", "preset", "torchrun")] == \
-        ["done", "done", "done", "running", "pending"]
-    assert st1["tests"]["tests"] == st1["tests"]["skipped"] >= 7  # test_graphs.py's CUDA tests, skipped here
-    assert st1["tests"]["skip_reasons"] == ["needs a CUDA GPU"]
+    assert [st1[n]["status"] for n in ("default_command", "device_tests", "tests", "profile_preset", "profile_224",
+                                       "preset", "torchrun")] == ["done"] * 5 + ["running", "pending"]
+    # the default command first: one epoch, then its resume, each start's lines and figures
+    one, two = st1["default_command"]["starts"]
+    assert one["lines"]["device"] == two["lines"]["device"] and one["lines"]["device"][0].startswith("device: cpu (")
+    assert one["lines"]["path"][0] == "path: eager, not graphed"
+    assert two["lines"]["notes"][0].startswith("resuming from ")
+    assert one["first_iteration_s"] > 0 and two["first_iteration_s"] > 0 and two["at_iteration"] == 3
+    assert one["results"]["precision"] == "fp32" and two["results"]["path"] == {"compile": False, "cuda_graphs": False}
+    # test_graphs.py's and test_device_check.py's CUDA tests, then the others: skipped here
+    assert st1["device_tests"]["tests"] == st1["device_tests"]["skipped"] >= 8
+    assert st1["tests"]["tests"] == st1["tests"]["skipped"] >= 3
+    assert st1["tests"]["skip_reasons"] == st1["device_tests"]["skip_reasons"] == ["needs a CUDA GPU"]
     # the preset's prediction, from its config (2 epochs of 48 images, the k-NN every epoch) and the constants
     k = tiny.predict
     pred = st1["preset"]["prediction"]
@@ -201,7 +213,7 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
                       and not re.search(r"\(run \d+\)$", line) and "before this line" not in line]
     assert len(keys) == len(set(keys)) == len(measured_lines) and bench3["left"] == 0
     benches = [s.name for s in plan(load_campaign([*TINY, f"out={out}"]), out)[1] if isinstance(s, BenchStage)]
-    assert benches == ["torchrun", "e2e", "bench_knn", "levers", "bench_fused", "autotune", "bench"]
+    assert benches == ["torchrun", "e2e", "bench_knn", "bench_linear", "levers", "bench_fused", "autotune", "bench"]
     assert bench3["runs"] == sum(st3[n]["runs"] for n in benches)
 
     # every figure of every call is in the last report
@@ -231,6 +243,8 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert {r["row"] for r in bench3["rows"]} >= {"torchrun", "e2e"}
     # the k-NN beside its baseline file (the tiny profile's: ours, so both vote alike), in bench_knn's figures
     knn_lines = {r["backend"]: r for r in st3["bench_knn"]["knn"]}
+    assert "torch" in knn_lines, ([r for r in bench3["rows"] if r.get("status") == "error"],
+                                  [x for x in (reports[2] / "campaign.log").read_text().splitlines() if "Error" in x])
     assert knn_lines["torch"]["baseline"] == "eval/knn_search.py" and knn_lines["torch"]["same_as_baseline"] is True
     assert knn_lines["torch"]["baseline_seconds"] > 0 and knn_lines["torch"]["seconds"] > 0
     # the lever's lines (token-major at the tiny profile, eager), each beside the fused block's and the reference's
@@ -254,20 +268,21 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
 def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     cfg = load_campaign([*TINY, f"out={tmp_path}"])
     p, stages = plan(cfg, tmp_path)
-    assert [s.name for s in stages] == ["tests", "profile_preset", "profile_224", "preset", "torchrun", "compile",
-                                        "e2e", "bench_knn", "kernel_tests", "levers", "bench_fused", "head_preset",
-                                        "head_224", "autotune", "profile_knn", "bench"]
+    assert [s.name for s in stages] == ["default_command", "device_tests", "tests", "profile_preset", "profile_224",
+                                        "preset", "torchrun", "compile", "e2e", "bench_knn", "bench_linear",
+                                        "kernel_tests", "levers", "bench_fused", "head_preset", "head_224", "autotune",
+                                        "profile_knn", "bench"]
     gpu = load_campaign([f"out={tmp_path}", "campaign.stages=[preset,tests,compare]"])
     p, stages = plan(gpu, tmp_path)
-    assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 120), ("compare", 150)]
+    assert [(s.name, s.min_start_s) for s in stages] == [("preset", 150), ("tests", 100), ("compare", 150)]
     # the preset is the command a user types on a GPU: only device, out and ckpt_epochs
     assert stages[0].argv == ["-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={tmp_path / 'preset'}",
                               "device=cuda", "ckpt_epochs=10"]
     assert stages[2].budget_s == 900 and "dino.centering=sinkhorn" in stages[2].argv
     for bad, says in ((["campaign.stages=[preset,preset]"], "each stage once"),
-                      (["campaign.stages=[preset,viz]"], "one of tests, profile_preset, profile_224, preset, "
-                                                         "torchrun, compile"),
-                      (["campaign.call_s=200"], "no time for the autotune stage"),
+                      (["campaign.stages=[preset,viz]"], "one of default_command, device_tests, tests, "
+                                                         "profile_preset, profile_224, preset, torchrun, compile"),
+                      (["campaign.call_s=300"], "no time for the bench_linear stage"),
                       (["campaign.window_left_s=0"], "campaign.window_left_s must be a number > 0")):
         with pytest.raises(UserError, match=says):
             plan(load_campaign([f"out={tmp_path}", *bad]), tmp_path)
@@ -278,7 +293,7 @@ def test_stages_run_in_the_order_given_and_start_only_with_their_time(tmp_path):
     assert "bench.rows=[dino]" in by["bench_fused"].argv and "bench.models=[resmlp_s12]" in by["bench_fused"].argv
     assert by["bench_fused"].line_s == 60 and by["bench"].line_s == 150
     # the profiles: bench/profile.py on the preset's own config, and at 224 px, each into its own folder
-    assert by["profile_preset"].argv[:2] == ["-m", "resmlp.bench.profile"]
+    assert by["profile_preset"].argv[:2] == ["-m", "bench.profile"]
     assert by["profile_preset"].argv[2:6] == ["device=cuda", "ckpt_epochs=10", "compile=true", "model.fused=true"]
     assert "data.img_size=224" in by["profile_224"].argv
     assert by["profile_knn"].argv[2:4] == ["profile.phases=knn", "profile.knn=gpu"]
@@ -369,11 +384,11 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch,
     assert CS.decide(need, short.deadline - clock.now - 30, short.next_call_s()) == "start"
     # at the end of call 1 (546 s) the window has 840 - 546 = 294 s: a next call could give
     # 294 - 40 - 20 - 6 - 30 = 198 s: every stage but the preset and autotune (301 s) fits it
-    # (the bench's 180 s the longest)
+    # (the default command's 180 s and the bench's the longest)
     clock.now = first.started + 546
-    assert [s.name for s in first.left_for_later()] == ["profile_preset", "profile_224", "torchrun", "compile", "e2e",
-                                                        "bench_knn", "kernel_tests", "levers", "bench_fused",
-                                                        "head_preset",
+    assert [s.name for s in first.left_for_later()] == ["default_command", "device_tests", "profile_preset",
+                                                        "profile_224", "torchrun", "compile", "e2e", "bench_knn",
+                                                        "kernel_tests", "levers", "bench_fused", "head_preset",
                                                         "head_224", "profile_knn", "bench"]
     assert first.exit_code() == 75
     clock.now = first.started + 710  # 840 - 710 - 96 = 34 s: nothing fits (the k-NN needs 40 s); nor the preset
@@ -382,9 +397,11 @@ def test_the_window_ends_the_call_and_decides_what_starts(tmp_path, monkeypatch,
 
 # What each stage of the gpu profile takes, as campaign.yaml's comments estimate it: a bench
 # stage all its lines, the preset its prediction (436 s: the campaign predicts it itself).
-ESTIMATES = {"tests": 105, "profile_preset": 75, "profile_224": 65, "preset": 436, "torchrun": 92, "compile": 120,
-             "e2e": 170, "bench_knn": 30, "kernel_tests": 130, "levers": 490, "bench_fused": 80, "head_preset": 90,
-             "head_224": 70, "autotune": 255, "profile_knn": 60, "bench": 800}
+ESTIMATES = {"default_command": 155, "device_tests": 65, "tests": 85, "profile_preset": 75, "profile_224": 65,
+             "preset": 436, "torchrun": 92, "compile": 120, "e2e": 170, "bench_knn": 30, "bench_linear": 225,
+             "kernel_tests": 130,
+             "levers": 490, "bench_fused": 80, "head_preset": 90, "head_224": 70, "autotune": 255, "profile_knn": 60,
+             "bench": 800}
 SETUP_S, TRANSFER_S = 8, 5   # run.sh's set-up in each call; the copies around it (2026-11-27: about 5 s)
 
 
@@ -431,17 +448,20 @@ def play_windows(tmp_path, monkeypatch, windows: int) -> list:
 
 def test_the_windows_the_estimates_plan(tmp_path, monkeypatch, on_a_gpu_machine):
     """The next windows as campaign.gpu's estimates plan them (tools/campaign/README.md).
-    Window 1: call 1 the tests and both whole profiles, then the preset does not fit and the
-    call ends for it; call 2 the preset and torchrun, and compile needs another window.
-    Window 2: compile, e2e, the k-NN and the kernels' tests, then the levers do not fit and the
-    call ends for them; call 2 most of the levers' lines. Window 3: the rest of the levers,
-    bench_fused and the head's two stages; call 2 max-autotune and the k-NN's phases. Window 4:
-    the rest of the bench (its estimate the least known), which it does not finish."""
+    Window 1: call 1 the default command with its resume, the CUDA tests of graphs, compiling
+    and the device checks, the other CUDA tests and both whole profiles; the preset fits no
+    call left in the window, so torchrun starts and the call ends in it; call 2 the rest of
+    torchrun, compile and e2e's first lines. Window 2: the preset first, e2e's rest, the k-NN;
+    call 2 the kernels' tests and most of the levers' lines. Window 3: the linear probe and more
+    of the levers' lines; call 2 their rest, bench_fused and head_preset. Window 4: head_224,
+    max-autotune and the k-NN's phases; call 2 the rest of the bench (its estimate the least
+    known), which it does not finish."""
     played = play_windows(tmp_path, monkeypatch, 4)
-    assert played[0] == [(["tests", "profile_preset", "profile_224"], 75), (["preset", "torchrun"], 0)]
-    assert played[1] == [(["compile", "e2e", "bench_knn", "kernel_tests"], 75), (["levers"], 0)]
-    assert played[2] == [(["levers", "bench_fused", "head_preset", "head_224"], 75), (["autotune", "profile_knn"], 0)]
-    assert played[3] == [(["bench"], 75), (["bench"], 0)]
+    assert played[0] == [(["default_command", "device_tests", "tests", "profile_preset", "profile_224", "torchrun"],
+                          75), (["torchrun", "compile", "e2e"], 0)]
+    assert played[1] == [(["preset", "e2e", "bench_knn"], 75), (["kernel_tests", "levers"], 0)]
+    assert played[2] == [(["bench_linear", "levers"], 75), (["levers", "bench_fused", "head_preset"], 0)]
+    assert played[3] == [(["head_224", "autotune", "profile_knn"], 75), (["bench"], 0)]
     s, st = summary(tmp_path / "carried3")
     assert {n for n, x in st.items() if x["status"] != "done"} == {"bench"} and st["bench"]["status"] == "cut"
     assert s["left_for_another_window"] == ["bench"] and len(s["calls"]) == 8
@@ -458,7 +478,7 @@ def test_the_new_stages_run_the_bench_rows_and_compile_cost_of_the_preset(tmp_pa
     # one cache emptied at its start
     c = by["compile"]
     assert isinstance(c, CompileStage) and c.min_start_s == 150
-    assert c.argv == ["-m", "resmlp.bench.compile_cost", "--modes", "regional,warm", "--steps", "3", "--json",
+    assert c.argv == ["-m", "bench.compile_cost", "--modes", "regional,warm", "--steps", "3", "--json",
                       str(tmp_path / "compile" / "compile_cost.json"), "device=cuda", "ckpt_epochs=10",
                       f"compile_cache_dir={tmp_path / 'compile_cache'}"]
     c.cache.mkdir(parents=True)
@@ -494,8 +514,8 @@ def test_a_tool_brings_its_commands_to_the_cli_without_writing_into_its_table(tm
         seen.update(table=set(cli.COMMANDS), stages=list(cfg.campaign.stages), profile=cfg.campaign.profile)
         return 0
     assert cli.main(["campaign", *TINY, f"out={tmp_path / 'c'}"], run=run, commands={"campaign": C.COMMAND}) == 0
-    assert "campaign" not in seen["table"] and seen["profile"] == "tiny" and seen["stages"][:2] == ["tests",
-                                                                                                   "profile_preset"]
+    assert "campaign" not in seen["table"] and seen["profile"] == "tiny"
+    assert seen["stages"][:3] == ["default_command", "device_tests", "tests"]
     assert cli.main(["campaign", "campaign.call_s=-1"], commands={"campaign": C.COMMAND}) == 2
     assert capsys.readouterr().err.strip() == ("error: campaign.call_s=-1 is not allowed: campaign.call_s must be a "
                                                "number > 0")
@@ -563,10 +583,10 @@ class Lines:
 
 def dino_lines(stage) -> list:
     """The dino lines a bench stage's command would measure on the gpu profile, in order."""
-    cfg = load_config("bench", "resmlp_s12", stage.argv[3:])
-    assert stage.argv[:3] == ["-m", "resmlp.core.cli", "bench"] and list(cfg.bench.rows) == ["dino"]
+    cfg = bench_config(stage.argv[2:])
+    assert stage.argv[:2] == ["-m", "bench"] and list(cfg.bench.rows) == ["dino"]
     ctx = Lines(cfg.bench.gpu, B.choose_models(cfg, cfg.bench.gpu)[0])
-    R.dino_family(ctx)
+    D.dino_family(ctx)
     return ctx.lines
 
 
@@ -591,8 +611,8 @@ def test_the_levers_are_lines_of_their_own_stages_beside_the_fused_block_and_the
     assert dino_lines(by["autotune"]) == [(x, 64) for x in ("ours fused compile+graphs",
                                                             "ours fused max-autotune compile+graphs", "reference")]
     # the rest of the bench: no lever line, on any model
-    cfg = load_config("bench", "resmlp_s12", by["bench"].argv[3:])
-    assert list(cfg.bench.gpu.levers) == [] and R.lever_lines(cfg.bench.gpu) == []
+    cfg = bench_config(by["bench"].argv[2:])
+    assert list(cfg.bench.gpu.levers) == [] and D.lever_lines(cfg.bench.gpu) == []
     assert (by["levers"].line_s, by["autotune"].line_s, by["levers"].shows, by["autotune"].shows) == \
         (70, 300, ("levers",), ("levers",))
     # a stage whose bench.json another stage began with other levers resumes it (bench.py's SELECTION)
@@ -604,16 +624,17 @@ def test_the_levers_are_lines_of_their_own_stages_beside_the_fused_block_and_the
 def test_the_knn_stage_times_c11c829s_search_beside_ours_and_every_bench_stage_names_it(tmp_path, capsys):
     _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
-    knn = load_config("bench", "resmlp_s12", by["bench_knn"].argv[3:])
+    knn = bench_config(by["bench_knn"].argv[2:])
     assert list(knn.bench.rows) == ["knn"] and list(knn.bench.gpu.knn.backends) == ["torch-device"]
     assert knn.bench.gpu.knn.baseline == ".baselines/knn_search_c11c829.py" and by["bench_knn"].shows == ("knn",)
     # one of the settings bench.json's lines are measured with: every bench stage passes the same
     benches = [s for s in stages if isinstance(s, BenchStage)]
-    assert len(benches) == 7 and all("bench.gpu.knn.baseline=.baselines/knn_search_c11c829.py" in s.argv
+    assert len(benches) == 8 and all("bench.gpu.knn.baseline=.baselines/knn_search_c11c829.py" in s.argv
                                      for s in benches)
-    # run.sh's campaign-carry writes that file from the commit the key names
-    sh = (ROOT / "run.sh").read_text()
-    assert "git -C \"$ROOT\" show c11c829:eval/knn_search.py >\"$ROOT/.baselines/knn_search_c11c829.py.tmp\"" in sh
+    # tools/campaign/carry.sh (run.sh's campaign-carry) writes that file, from the commit the key names
+    carry = subprocess.run(["bash", str(ROOT / "tools" / "campaign" / "carry.sh"), "--which"], capture_output=True,
+                           text=True, timeout=60)
+    assert carry.returncode == 0 and carry.stdout.strip() == ".baselines/knn_search_c11c829.py", carry.stderr
     # a campaign without it carried in: one line, before any work
     out = tmp_path / "never"
     assert main([*TINY, "campaign.tiny.knn_baseline=.baselines/none.py", f"out={out}"]) == 2
@@ -660,6 +681,35 @@ def test_the_report_shows_each_lever_beside_the_fused_block_and_the_knn_beside_i
                                                                                       "goals"}
 
 
+def test_the_linear_stage_times_the_default_probe_at_imagenets_size_and_the_report_shows_it(tmp_path):
+    _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
+    names = [s.name for s in stages]
+    by = {s.name: s for s in stages}
+    stage = by["bench_linear"]
+    assert names.index("bench_linear") == names.index("bench_knn") + 1
+    assert isinstance(stage, BenchStage) and stage.dir == by["bench"].dir and stage.shows == ("linear",)
+    assert (stage.line_s, stage.min_start_s) == (270, 290)
+    cfg = bench_config(stage.argv[2:])
+    lin = cfg.bench.gpu.linear
+    assert list(cfg.bench.rows) == ["linear"] and list(lin.protocols) == ["lbfgs", "dino"]
+    assert (lin.n_train, lin.n_test, lin.dim, lin.classes) == (1281167, 50000, 384, 1000)   # ImageNet's, S12's width
+    # its lines in the report: the default's selection and refit, DINO's epochs counted whole
+    line = {"row": "linear", "status": "ok", "device": "cuda", "n_train": 1281167, "dim": 384, "classes": 1000}
+    rows = [{**line, "protocol": "lbfgs", "seconds": 180.0, "selection_s": 170.0, "refit_s": 10.0, "l2s": 13,
+             "iterations": 1900, "passes": 2000, "l2": 1e-5, "converged": True, "top1": 76.5, "mem_gb": 2.5},
+            {**line, "protocol": "dino", "seconds": 4.0, "seconds_full": 131.0, "epoch_s": 1.3, "mem_gb": 3.0},
+            {**line, "protocol": "dino", "status": "error", "error": "x"}]
+    (tmp_path / "bench.json").write_text(json.dumps({"runs": 1, "left": 0, "rows": rows, "summary": []}))
+    shown = BenchStage("bench_linear", [], tmp_path, 290, line_s=270, shows=("linear",))
+    shown.figures = shown.read_figures()
+    assert [(r["protocol"], r["seconds"], r["passes"]) for r in shown.figures["linear"]] == \
+        [("lbfgs", 180.0, 2000), ("dino", 4.0, None)]
+    text = shown.describe()
+    assert ("linear lbfgs on 1281167 x 384, 1000 classes: 180.0 s (13 L2s 170.0 s, the refit 10.0 s; 2000 passes), "
+            "L2 1e-05, top-1 76.50, 2.50 GB") in text
+    assert "linear dino on 1281167 x 384, 1000 classes: 131.0 s for all epochs (1.30 s each), 3.00 GB" in text
+
+
 def test_the_head_stages_time_the_preset_and_the_224_px_step_per_precision(tmp_path):
     _, stages = plan(load_campaign([f"out={tmp_path}"]), tmp_path)
     by = {s.name: s for s in stages}
@@ -667,7 +717,7 @@ def test_the_head_stages_time_the_preset_and_the_224_px_step_per_precision(tmp_p
         h = by[name]
         results = tmp_path / name / "head_cost.json"
         assert isinstance(h, HeadStage) and h.results == results and h.dir == tmp_path / name
-        assert h.argv[:8] == ["-m", "resmlp.bench.head_cost", "--precisions", "fp32,tf32,bf16", "--mode", "regional",
+        assert h.argv[:8] == ["-m", "bench.head_cost", "--precisions", "fp32,tf32,bf16", "--mode", "regional",
                               "--json", str(results)]
         # the step head_cost.py builds (compile_cost.build: `dino resmlp_s12`, demo=false, these keys)
         cfg = load_config("dino", "resmlp_s12", ["demo=false", *h.argv[8:]])
@@ -816,6 +866,158 @@ def test_the_preset_is_the_default_command_unless_a_graph_test_failed():
         ["-m", "x"]
 
 
+# --------------------------------------------------------------------------- the default command, first
+
+def test_the_default_command_comes_first_as_a_user_types_it_then_the_device_tests(tmp_path):
+    """Issue 49 part 7: `dino resmlp_s12` with nothing but out= and the short length (one
+    epoch; its resume to a second, campaign/starts.py), before any other stage; then the CUDA
+    tests of graphs, compiling and the device checks, which the other tests stage leaves out
+    and whose graph tests decide the preset's graphs."""
+    d = tmp_path
+    _, stages = plan(load_campaign([f"out={d}"]), d)
+    first, device, tests = stages[:3]
+    run = d / "default_command" / "run"
+    assert isinstance(first, DefaultStage) and first.min_start_s == 180 and first.dir == d / "default_command"
+    assert first.argv == ["-m", "campaign.starts", "--out", str(d / "default_command"), "--keep",
+                          str(run / "results.json"), "--then", "epochs=2", "--",
+                          "-m", "resmlp.core.cli", "dino", "resmlp_s12", f"out={run}", "epochs=1"]
+    files = [a for a in device.argv if a.startswith("tests/")]
+    assert isinstance(device, TestsStage) and device.name == "device_tests" and device.argv[6:8] == ["-m", "cuda"]
+    assert {"tests/test_graphs.py", "tests/test_compiling.py", "tests/test_compile_cache.py",
+            "tests/test_device_check.py"} <= set(files)
+    ignored = {a.split("=", 1)[1] for a in tests.argv if a.startswith("--ignore=")}
+    assert ignored == {*files, "tests/test_kernels.py"} and "tests" in tests.argv   # no test runs twice
+    assert next(s for s in stages if s.name == "preset").tests is device   # its graph tests decide the preset's graphs
+
+
+# What a GPU start prints, as far as the stage keeps it (a made-up recording: no figure of it was measured)
+RECORDED = ["[starts] start 1 of 2: python -m resmlp.core.cli dino resmlp_s12 out=/c/default_command/run epochs=1",
+            "device: NVIDIA H200 (sm 9.0, 139.8 GiB, 139.1 GiB free); precision bf16 (auto: this GPU has bf16)",
+            "path: blocks compiled by region, the step as one CUDA graph",
+            "compile cache: none in /c/default_command/run/compile_cache yet; the first iteration compiles, then "
+            "saves it there",
+            "[teacher at init] knn top1=10.00 top5=50.00 (k=20, T=0.07)",
+            "ep 1/1 it 1/117 loss 10.9 lr 0.0 wd 0.040 m 0.9960 T_t 0.040 H_t 6.00 KL 0.000 30 img/s",
+            "compile cache: saved 14 compiled artifacts (3.2 MiB) to /c/default_command/run/compile_cache/a.bin",
+            "[starts] start 2 of 2: python -m resmlp.core.cli dino resmlp_s12 out=/c/default_command/run epochs=1 "
+            "epochs=2",
+            "device: NVIDIA H200 (sm 9.0, 139.8 GiB, 139.1 GiB free); precision bf16 (auto: this GPU has bf16)",
+            "path: blocks compiled by region, the step as one CUDA graph",
+            "resuming from /c/default_command/run/checkpoint.pth (epoch 1, iteration 117)",
+            "compile cache: loaded 14 compiled artifacts (3.2 MiB) from /c/default_command/run/compile_cache/a.bin",
+            "warning: a made-up warning"]
+
+
+def start_results(start_it: int, first_s: float, peak: float) -> dict:
+    """A start's results.json as the trainer writes it (made-up figures), its timing with
+    every start so far."""
+    starts = [{"at_iteration": 0, "startup_s": 9.0, "first_iteration_s": 40.0}]
+    if start_it:
+        starts.append({"at_iteration": start_it, "startup_s": 8.0, "first_iteration_s": first_s})
+    return {"path": {"compile": "regions", "cuda_graphs": True}, "precision": "bf16", "device": "NVIDIA H200",
+            "knn_top1": 70.0, "train_images_per_s": 6900.0, "peak_mem_mb": peak, "peak_reserved_mb": 2 * peak,
+            "timing": {"starts": starts}}
+
+
+def test_the_default_commands_lines_and_results_become_the_reports_figures(tmp_path):
+    stage = DefaultStage("default_command", ["-m", "campaign.starts"], tmp_path / "default_command", 180)
+    (stage.dir / "run").mkdir(parents=True)
+    (stage.dir / "start1_results.json").write_text("{}")
+    assert stage.launch(100) == ["-m", "campaign.starts"] and list(stage.dir.iterdir()) == []  # a rerun starts cold
+    assert [stage.heard(line) for line in RECORDED] == [True, True, True, True, False, False, True,
+                                                        True, True, True, True, True, True]
+    (stage.dir / "start1_results.json").write_text(json.dumps(start_results(0, 0, 16000.0)))
+    (stage.dir / "start2_results.json").write_text(json.dumps(start_results(117, 6.5, 15000.0)))
+    stage.classify(0, None)
+    stage.after_run(150.0)
+    one, two = stage.starts
+    assert one["lines"] == {"device": [RECORDED[1]], "path": [RECORDED[2]], "compile_cache": [RECORDED[3], RECORDED[6]]}
+    assert (one["first_iteration_s"], one["startup_s"], one["peak_mem_mb"], one["peak_reserved_mb"]) == \
+        (40.0, 9.0, 16000.0, 32000.0)
+    assert one["results"]["path"] == {"compile": "regions", "cuda_graphs": True}
+    assert one["results"]["precision"] == "bf16"
+    assert (two["at_iteration"], two["first_iteration_s"], two["peak_mem_mb"]) == (117, 6.5, 15000.0)
+    assert two["lines"]["notes"] == [RECORDED[10], RECORDED[12]] and two["lines"]["compile_cache"] == [RECORDED[11]]
+    stage.figures = stage.read_figures()
+    said = stage.describe()
+    assert said.startswith("start 1: path: blocks compiled by region, the step as one CUDA graph, first iteration "
+                           "40.0 s (start-up 9 s), peak 15.6 GiB allocated, 31.2 reserved, compile cache: saved 14")
+    assert "start 2: first iteration 6.5 s (start-up 8 s)" in said and "compile cache: loaded 14" in said
+    # a fresh machine: the run dir stayed behind, the state keeps every figure
+    state = json.loads(json.dumps(stage.state()))
+    again = DefaultStage("default_command", [], tmp_path / "elsewhere", 180)
+    again.take(state)
+    assert again.read_figures() == {"starts": stage.starts}
+    # a start that fails: the stage says which, with its one line
+    stage.launch(100)
+    for line in [*RECORDED[:3], RECORDED[7], "error: the GPU Tesla V100-SXM2-16GB is sm_70 ..."]:
+        stage.heard(line)
+    stage.classify(2, None)
+    assert stage.status == "failed" and stage.note == "start 2 exit 2: error: the GPU Tesla V100-SXM2-16GB is sm_70 ..."
+    stage.launch(100)   # a traceback: its last line
+    for line in [RECORDED[0], "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                 "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:"]:
+        stage.heard(line)
+    stage.classify(1, None)
+    assert stage.note == "start 1 exit 1: torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:"
+
+
+STARTED = """import os, signal, sys, time
+from pathlib import Path
+cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+print("argv", sys.argv[1:], "cache", cache.name, "empty", not cache.exists() or not any(cache.iterdir()), flush=True)
+cache.mkdir(parents=True, exist_ok=True)
+(cache / "kernel").write_text("compiled")
+Path(sys.argv[1]).write_text(" ".join(sys.argv[2:]))
+if "fail" in sys.argv:
+    sys.exit(3)
+if "wait" in sys.argv:
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
+    print("waiting", flush=True)
+    time.sleep(30)
+"""
+
+
+def starts(tmp_path, *command) -> subprocess.Popen:
+    """campaign/starts.py over a script that says what it was given."""
+    script = tmp_path.parent / "start.py"
+    script.write_text(STARTED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tools"), *filter(None, [os.environ.get(
+        "PYTHONPATH")])])}
+    return subprocess.Popen([sys.executable, "-m", "campaign.starts", "--out", str(tmp_path), "--keep",
+                             str(tmp_path / "results.txt"), "--then", "epochs=2", "--", str(script),
+                             str(tmp_path / "results.txt"), *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_the_starts_run_the_command_twice_each_compiling_afresh_and_stop_on_a_failure_or_a_signal(tmp_path):
+    proc = starts(tmp_path / "both", "epochs=1")
+    lines = proc.communicate(timeout=60)[0].splitlines()
+    results = tmp_path / "both" / "results.txt"
+    assert proc.returncode == 0, lines
+    assert [line for line in lines if line.startswith("[starts]")] == [
+        f"[starts] start {n} of 2: python {tmp_path / 'start.py'} {results} epochs=1" + (" epochs=2" if n == 2 else "")
+        for n in (1, 2)]
+    assert [line for line in lines if line.startswith("argv")] == [
+        f"argv ['{results}', 'epochs=1'] cache start1 empty True",
+        f"argv ['{results}', 'epochs=1', 'epochs=2'] cache start2 empty True"]
+    assert [(tmp_path / "both" / f"start{n}_results.txt").read_text() for n in (1, 2)] == ["epochs=1",
+                                                                                          "epochs=1 epochs=2"]
+    # a start that fails ends them, with its exit code; its results are not kept
+    proc = starts(tmp_path / "failed", "fail")
+    lines = proc.communicate(timeout=60)[0].splitlines()
+    assert proc.returncode == 3 and sum(line.startswith("[starts]") for line in lines) == 1
+    assert not (tmp_path / "failed" / "start1_results.txt").exists()
+    # SIGTERM goes to the start under way, whose exit (75: saved) ends them
+    proc = starts(tmp_path / "stopped", "wait")
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("waiting"):
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75 and sum(line.startswith("[starts]") for line in seen) == 1, seen
+
+
 def test_a_budget_stage_ends_when_its_budget_is_spent():
     compare = TrainingStage("compare", [], Path("."), 5, config=(), budget_s=900)
     compare.classify(75, "budget")
@@ -889,7 +1091,7 @@ def test_bench_lines_are_kept_across_stages_and_a_family_that_raised_is_not_done
     base = ["bench.profile=tiny", f"out={tmp_path}", "bench.resume=true", "bench.models=[resmlp_s12]"]
 
     def run(*extra):
-        return B.bench(load_config("bench", "resmlp_s12", [*base, *extra]))
+        return B.bench(bench_config([*base, *extra]))
     first = run("bench.rows=[knn]", "bench.tiny.knn.backends=[torch]")
     assert [r["row"] for r in first["rows"]] == ["peak", "peak", "knn"]
     # another choice of lines (as the second bench stage makes): the first run's are kept, not measured again
@@ -923,7 +1125,7 @@ def test_checkpoints_every_n_epochs_count_in_the_training_time(tmp_path, monkeyp
     """ckpt_epochs=2 over 3 epochs: a checkpoint at epoch 2 and at the last; each write's
     seconds (made 100 here by a clock the write moves) are summed apart and the one a run
     goes on after is in train_s, as a user waits for it."""
-    from resmlp.bench.jpegs import make_jpeg_folder
+    from bench.jpegs import make_jpeg_folder
     from resmlp.core import cadence, run as run_module
     from resmlp.ssl.train import train
     make_jpeg_folder(str(tmp_path / "images"), 32, 36, 48)
@@ -955,7 +1157,7 @@ def test_bad_input_is_exit_2_and_a_changed_campaign_is_refused(tmp_path, capsys)
     out = f"out={tmp_path}"
     assert main(["campaign.profile=nope", out]) == 2
     assert main(["campaign.profile=tiny", "campaign.call_s=10", out]) == 2
-    assert "min_start_s.tests + stop_grace_s" in capsys.readouterr().err
+    assert "min_start_s.default_command + stop_grace_s" in capsys.readouterr().err
     assert main([*TINY, "campaign.window_left_s=-60", f"out={tmp_path / 'never'}"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["error: campaign.window_left_s=-60 is not allowed: campaign.window_left_s "
@@ -1031,26 +1233,26 @@ def test_the_report_folder_keeps_to_the_limits(tmp_path):
 
 
 def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
-    cfg = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.max_batch=16"])
+    cfg = bench_config(["bench.profile=tiny", "bench.tiny.max_batch=16"])
     ctx = Context(torch.device("cpu"), "tiny", cfg.bench.tiny, ["resmlp_s12"], False)
-    real = R.call_step
+    real = D.call_step
 
     def tight(step, crops):
         if crops[0].shape[0] >= 16:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(step, crops)
-    monkeypatch.setattr(R, "call_step", tight)
-    found = R._largest_batch(ctx, "resmlp_s12", "interpolate")
+    monkeypatch.setattr(D, "call_step", tight)
+    found = D._largest_batch(ctx, "resmlp_s12", "interpolate")
     assert found["batch"] == 8 and found["tried"] == [8, 16] and "out of memory at batch 16" in found["stop"]
-    monkeypatch.setattr(R, "call_step", real)
-    capped = R._largest_batch(ctx, "resmlp_s12", "interpolate")
+    monkeypatch.setattr(D, "call_step", real)
+    capped = D._largest_batch(ctx, "resmlp_s12", "interpolate")
     assert capped["batch"] == 16 and capped["tried"] == [8, 16] and capped["stop"] == "max_batch reached"
 
 
 def test_a_stop_at_an_epochs_last_iteration_still_evaluates_that_epoch(tmp_path, monkeypatch):
     """A cut that lands on an epoch's last iteration must not lose that epoch's k-NN
     point: the run stops at the epoch-end checkpoint, after the evaluation."""
-    from resmlp.bench.jpegs import make_jpeg_folder
+    from bench.jpegs import make_jpeg_folder
     from resmlp.core import cadence, preempt
     from resmlp.core.errors import Preempted
     from resmlp.ssl.train import train

@@ -15,8 +15,10 @@ import pytest
 from resmlp.core.config import Choice, all_choices, check_choice, choices, load_config
 from resmlp.core.errors import UserError
 
+from kit import PRODUCT
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ("core", "models", "data", "ssl", "eval", "supervised", "bench")
+PACKAGE = PRODUCT
 
 
 def repeated_words(source: str, lists: dict) -> list[tuple[int, str]]:
@@ -45,7 +47,7 @@ def test_the_finder_sees_a_repeat_and_lets_a_branch_be():
            'B = ["safetensors", "official", "timm"]\n'
            'if fmt in ("timm", "official"): pass\n'
            'T = {"bf16": 1, "fp16": 2, "fp32": 3}\n'
-           'if text not in ("true", "false", "auto"): pass\n'   # what ssl/graphs.py held before its limit
+           'if text not in ("true", "false", "auto"): pass\n'   # what ssl/graphed_step.py held before its limit
            'if value == "auto": pass\n')
     assert repeated_words(src, lists) == [(1, "precision"), (2, "export.format"), (5, "dino.cuda_graphs")]
 
@@ -53,9 +55,8 @@ def test_the_finder_sees_a_repeat_and_lets_a_branch_be():
 def test_no_module_repeats_a_keys_words():
     lists = all_choices()
     assert {"device", "precision", "launcher", "slurm.cluster", "data.decode", "knn.backend", "features.key",
-            "export.format", "linear.mode", "distill.type", "eval.data", "profile.phases", "dino.local_crops",
-            "dino.augment", "dino.bottleneck_norm", "bench.profile", "demo", "dino.cuda_graphs",
-            "compile"} <= lists.keys()
+            "export.format", "linear.mode", "distill.type", "eval.data", "dino.local_crops",
+            "dino.augment", "dino.bottleneck_norm", "demo", "dino.cuda_graphs", "compile"} <= lists.keys()
     found = [f"{path.relative_to(ROOT)}:{line} repeats {key}'s words ({choices(key)})"
              for folder in PACKAGE for path in sorted((ROOT / folder).rglob("*.py"))
              for line, key in repeated_words(path.read_text(), lists)]
@@ -146,13 +147,13 @@ def test_a_bad_word_is_one_line_exit_2_and_nothing_is_made(override, line, tmp_p
 def test_the_words_are_read_from_the_limits(tmp_path, monkeypatch):
     """With auto struck from both limits: lists, auto is refused everywhere, naming the words
     that are left: in load_config (demo before the merge, dino.cuda_graphs after it) and in
-    the code handed a value (ssl.graphs.use_cuda_graphs)."""
+    the code handed a value (ssl.graphed_step.use_cuda_graphs)."""
     import shutil
 
     import torch
 
     from resmlp.core import config
-    from resmlp.ssl.graphs import use_cuda_graphs
+    from resmlp.ssl.graphed_step import use_cuda_graphs
     configs = shutil.copytree(config.CONFIG_DIR, tmp_path / "configs")
     for name, key in (("defaults.yaml", "demo"), ("method/dino.yaml", "dino.cuda_graphs")):
         text = (configs / name).read_text()
@@ -170,3 +171,95 @@ def test_the_words_are_read_from_the_limits(tmp_path, monkeypatch):
             use_cuda_graphs("auto", torch.device("cpu"), False)
     finally:
         config.all_choices.cache_clear()
+
+
+# ---- the defaults: YAML their one home (issue 52 part 5) ----------------------------------------
+
+# cfg.get("key", <literal>) calls that stay, each where the key may be absent: (file, key): why
+MAY_BE_ABSENT = {
+    ("data/datasets.py", "data.files"): "only data=folder's file has data.files",
+    ("data/folder.py", "data.files"): "only data=folder's file has data.files",
+}
+
+
+def config_key_paths() -> set[str]:
+    """Every key path of the merged configs ("data.root", "seed"): every command's, and DINO's
+    on every data set (a data file sets data and model keys, the same for any command)."""
+    from omegaconf import OmegaConf
+
+    from resmlp.core.config import CONFIG_DIR, available
+
+    def paths(tree: dict, prefix: str = "") -> set[str]:
+        found = set()
+        for k, v in tree.items():
+            found.add(prefix + str(k))
+            if isinstance(v, dict):
+                found |= paths(v, f"{prefix}{k}.")
+        return found
+    commands = [p.stem for p in sorted((CONFIG_DIR / "method").glob("*.yaml"))]
+    found = set()
+    for command, data in [(c, None) for c in commands] + [("dino", d) for d in available("data")]:
+        cfg = load_config(command, None, ["demo=false", *([f"data={data}"] if data else [])])
+        found |= paths(OmegaConf.to_container(cfg, resolve=False))
+    return found
+
+
+def config_gets(source: str) -> list[tuple[int, str]]:
+    """(line, key path) of each `<config>.get("key", <literal>)` in `source`, where <config>
+    is `cfg` or a section of it (`cfg.dino`, `run.cfg.data`) or a name `<section>_cfg`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str) and _is_literal(node.args[1])):
+            continue
+        chain, value = [], node.func.value
+        while isinstance(value, ast.Attribute):
+            chain.insert(0, value.attr)
+            value = value.value
+        if isinstance(value, ast.Name):
+            chain.insert(0, value.id)
+        if "cfg" in chain:
+            section = chain[chain.index("cfg") + 1:]
+        elif chain and chain[0].endswith("_cfg"):
+            section = [chain[0][:-len("_cfg")], *chain[1:]]
+        else:
+            continue
+        found.append((node.lineno, ".".join([*section, node.args[0].value])))
+    return found
+
+
+def _is_literal(node: ast.AST) -> bool:
+    try:
+        ast.literal_eval(node)
+    except ValueError:
+        return False
+    return True
+
+
+def test_the_finder_sees_a_restated_default():
+    src = ('a = cfg.get("seed", 0)\n'
+           'b = cfg.dino.get("cuda_graphs", False)\n'
+           'c = data_cfg.get("root", None)\n'
+           'd = run.cfg.data.get("decode", "cpu")\n'
+           'e = results.get("pixels", {})\n'          # not a config
+           'f = cfg.get("eval", None) or {}\n'
+           'g = cfg.data.get("subset")\n'              # no default restated
+           'h = cfg.get("epochs", cfg.other)\n')       # not a literal
+    assert config_gets(src) == [(1, "seed"), (2, "dino.cuda_graphs"), (3, "data.root"), (4, "data.decode"),
+                                (6, "eval")]
+
+
+def test_no_module_restates_a_default_of_the_yaml():
+    """A key every command's merged config holds is read as an attribute: a default written
+    again in code (`cfg.dino.get("cuda_graphs", False)`) is a second home, and may contradict
+    YAML's (dino.yaml says auto). The few keys that may be absent are listed with the reason."""
+    keys = config_key_paths()
+    assert {"dino.cuda_graphs", "data.decode", "model.fused", "log_every_s"} <= keys
+    found = [f"{path.relative_to(ROOT)}:{line} {key}" for folder in PACKAGE
+             for path in sorted((ROOT / folder).rglob("*.py")) for line, key in config_gets(path.read_text())
+             if key in keys and (str(path.relative_to(ROOT)), key) not in MAY_BE_ABSENT]
+    assert not found, "read these keys as attributes (their default is YAML's):\n" + "\n".join(found)
+    listed = {(str(path.relative_to(ROOT)), key) for folder in PACKAGE for path in sorted((ROOT / folder).rglob("*.py"))
+              for _, key in config_gets(path.read_text())}
+    assert set(MAY_BE_ABSENT) <= listed, "an entry of MAY_BE_ABSENT no longer stands in its file"

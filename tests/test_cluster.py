@@ -214,7 +214,7 @@ def test_two_processes_stop_together_when_one_is_signalled_and_resume_to_the_sam
 # The loop below is the trainers' (ssl/train.py, supervised/train.py) on a Cadence with no network:
 # 2 epochs of 6 iterations, mid-epoch checkpoints at 4 and 8, log lines by count only at 1 and 12,
 # and a line by time (log_every_s=20) that only rank 1's slow clock (7 s an iteration) calls for.
-AGREE_CFG = {"epochs": 2, "log_every": 1000, "log_every_s": 20, "ckpt_every": 4, "eval_every": 0}
+AGREE_CFG = {"epochs": 2, "log_every": 1000, "log_every_s": 20, "ckpt_every": 4, "ckpt_epochs": 1, "eval_every": 0}
 # Host all-reduces at each iteration: one; a checkpoint asks again after its write (4, 8 and the
 # epoch ends 6, 12), where a signal may have come; 12 logs by count, so only its checkpoint asks.
 ASKS = {1: 1, 2: 1, 3: 1, 4: 2, 5: 1, 6: 2, 7: 1, 8: 2, 9: 1, 10: 1, 11: 1, 12: 1}

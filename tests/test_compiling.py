@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from resmlp.bench import rows as R
 from resmlp.core.compiling import compile_as, compile_form, compile_regions, regions
 from resmlp.core.config import load_config
 from resmlp.data.crop_plan import crop_plan
 from resmlp.models.resmlp import ResMLP
+
+import kit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,22 +191,21 @@ def test_the_supervised_step_compiles_the_blocks_and_leaves_its_ema_and_evaluati
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from torch._dynamo.utils import counters
-from resmlp.bench import rows as R
-from resmlp.core.config import load_config
+sys.path.insert(0, sys.argv[2])   # tests/: the kit
+import kit
 from resmlp.core.dist import cleanup
 from resmlp.data.crop_plan import crop_plan
 from resmlp.ssl.step import build_dino_step
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-tiny = load_config("bench", "resmlp_s12", ["bench.profile=tiny"]).bench.tiny
-cfg = R.dino_config(tiny, "resmlp_s12", "interpolate", ["model.drop_path_rate=0.0", "compile=true", "device=cpu"])
+cfg = kit.small_dino_config("interpolate", ["model.drop_path_rate=0.0", "compile=true", "device=cpu"])
 plan = crop_plan(cfg)
 torch.manual_seed(0)
 with torch.compiler.set_stance("default", force_backend="aot_eager"):
     step = build_dino_step(cfg, plan, torch.device("cpu"), world_size=2)
-    crops = R.synthetic_crops(plan, 8, torch.device("cpu"))
+    crops = kit.synthetic_crops(plan, 8, torch.device("cpu"))
     for _ in range(2):
-        R.call_step(step, [c[4 * rank:4 * rank + 4].clone() for c in crops])
+        kit.call_step(step, [c[4 * rank:4 * rank + 4].clone() for c in crops])
 torch.save({"student": step.raw_student.state_dict(), "teacher": step.teacher.state_dict(),
             "graphs": counters["stats"]["unique_graphs"]}, sys.argv[1] + f"/rank{rank}.pt")
 cleanup()  # the trainers' teardown: a barrier before the group goes
@@ -219,16 +219,15 @@ def test_two_processes_with_compiled_blocks_equal_one_eager_process(tmp_path):
     script = tmp_path / "ddp_compiled.py"
     script.write_text(DDP_SCRIPT)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          str(script), str(tmp_path), str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    tiny_bench = load_config("bench", "resmlp_s12", ["bench.profile=tiny"]).bench.tiny
-    cfg = R.dino_config(tiny_bench, "resmlp_s12", "interpolate", ["model.drop_path_rate=0.0"])
+    cfg = kit.small_dino_config("interpolate", ["model.drop_path_rate=0.0"])
     plan = crop_plan(cfg)
     torch.manual_seed(0)
-    one = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
-    crops = R.synthetic_crops(plan, 8, torch.device("cpu"))
+    one = kit.dino_step(cfg, torch.device("cpu"), "fp32", compile=False)
+    crops = kit.synthetic_crops(plan, 8, torch.device("cpu"))
     for _ in range(2):
-        R.call_step(one, [c.clone() for c in crops])
+        kit.call_step(one, [c.clone() for c in crops])
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for r in ranks:
         # per rank: the blocks' student global and local crops and teacher global, the heads'

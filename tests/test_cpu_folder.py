@@ -41,7 +41,8 @@ class FakeRun(SimpleNamespace):
 
 
 def test_a_slow_iteration_still_gets_a_log_line_by_time():
-    cfg = OmegaConf.create({"epochs": 1, "log_every": 50, "log_every_s": 20, "ckpt_every": 0, "eval_every": 0})
+    cfg = OmegaConf.create({"epochs": 1, "log_every": 50, "log_every_s": 20, "ckpt_every": 0, "ckpt_epochs": 1,
+                            "eval_every": 0})
     run = FakeRun(cfg=cfg, started=0.0)
     cadence = Cadence(run, iterations_per_epoch=1000, start_it=0, results={}, state={})
     now = [100.0]

@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.transforms import v2
 
-from resmlp.bench.rows import synthetic_image
 from resmlp.core.cli import main
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
@@ -22,6 +21,9 @@ from resmlp.data.images import load_rgb
 from resmlp.data.resumable import build_train_loader
 from resmlp.data.transforms import BICUBIC, to_normalized_tensor
 from resmlp.data.crop_plan import build_views, crop_plan
+
+from kit import synthetic_image
+from test_data import data_cfg
 
 needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py)
 SIZES = [(500, 375), (375, 500), (1200, 900), (3000, 2000), (1400, 300), (300, 200)]  # (W, H)
@@ -79,7 +81,7 @@ def test_large_images_shrink_at_decode_keeping_a_256_px_short_side(tmp_path, mon
         elif max(w, h) <= 2 * min(w, h):                     # at most 2:1: the short side keeps 256 px
             assert min(sh, sw) >= 256
         assert bool(drafts) == (min(w, h) >= 512)            # reduced by libjpeg when it can
-    assert source_side(OmegaConf.create({"img_size": 224})) == 512
+    assert source_side(OmegaConf.create({"img_size": 224, "source_side": None})) == 512
     with pytest.raises(UserError, match="data.source_side"):  # its limit, before any work
         load_config("dino", "resmlp_s12", ["data.source_side=1"])
 
@@ -106,7 +108,7 @@ def test_eval_transform_on_files_matches_pils_resize(tmp_path):
         levels = ((a - b) * std * 255).abs()
         assert a.shape == (3, 224, 224) and levels.mean() < 0.6 and levels.max() <= worst, (levels.mean(), levels.max())
     tree(tmp_path / "d")
-    ds = build_dataset(OmegaConf.merge(cfg, {"name": "imagefolder", "root": str(tmp_path / "d")}), "train",
+    ds = build_dataset(data_cfg(**cfg, name="imagefolder", root=str(tmp_path / "d")), "train",
                        transform=fast)
     assert ds.encoded and tuple(ds[0][0].shape) == (3, 224, 224)
 
@@ -173,6 +175,7 @@ def test_the_trainers_loader_hands_plain_jpegs_to_the_device_as_bytes(tmp_path):
     the data.decode=cpu batch."""
     from types import SimpleNamespace
 
+    from resmlp.ssl.step import dino_path
     from resmlp.ssl.train import build_data
     side = 146  # source_side at data.img_size=64
     files = {"a/plain.jpg": (120, 90, {}), "a/tall.jpg": (90, 140, {}), "b/at_side.jpg": (146, 100, {}),
@@ -188,12 +191,12 @@ def test_the_trainers_loader_hands_plain_jpegs_to_the_device_as_bytes(tmp_path):
         img.save(path, **({"quality": 90} if path.suffix == ".jpg" else {}), **kw)
     with Image.open(tmp_path / "train" / "b/progressive.jpg") as im:
         assert im.info.get("progressive")  # the file is what its name says
-    run = SimpleNamespace(device=torch.device("cuda"), amp_dtype=torch.bfloat16, batch_per_rank=len(files))
+    run = SimpleNamespace(device=torch.device("cuda"), amp_dtype=torch.bfloat16, batch_per_rank=len(files), print=print)
     batches = {}
     for decode in ("gpu", "cpu"):
         cfg = dino_cfg(tmp_path, f"data.decode={decode}", "num_workers=1")
         assert source_side(cfg.data) == side
-        _, ds, loader, sampler = build_data(cfg, run, crop_plan(cfg))
+        _, ds, loader, sampler = build_data(cfg, run, crop_plan(cfg), dino_path(cfg, run.device, False))
         sampler.set_epoch(0)
         batches[decode] = batch = next(iter(loader))
         names = [os.path.relpath(ds.samples[int(k) % len(ds)][0], tmp_path / "train") for k in batch.keys]

@@ -10,9 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from resmlp.bench import rows as R
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
+from resmlp.ssl.step import StepValues
+
+import kit
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -99,19 +101,19 @@ def test_step_and_augmentation_make_no_host_reads(monkeypatch, graphed):
     and no fresh host tensor to copy to the device. graphed: the body dino.cuda_graphs
     captures, run uncaptured."""
     from resmlp.data.gpu_augment import GpuMultiCrop
-    from resmlp.ssl.graphs import GraphedStep
+    from resmlp.ssl.graphed_step import GraphedStep
     cfg, plan = tiny_step()
-    step = R.build_our_step(cfg, torch.device("cpu"), "fp32", compile=False)
+    step = kit.dino_step(cfg, torch.device("cpu"), "fp32", compile=False)
     if graphed:
         step.graphed = GraphedStep(step, capture=False)
     aug = GpuMultiCrop.from_plan(plan, cfg.data)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
     sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1)  # what the loader sends
-    step(aug(images, seed=0, keys=torch.arange(8) + 80, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up
+    step(aug(images, seed=0, keys=torch.arange(8) + 80, sizes=sizes), kit.VALUES, kit.EPOCH)  # warm-up
     counter = SyncCounter(monkeypatch)
     with FreshHostTensors() as fresh:
         for i in range(3):
-            step(aug(images, seed=0, keys=torch.arange(8) + 8 * i, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)
+            step(aug(images, seed=0, keys=torch.arange(8) + 8 * i, sizes=sizes), kit.VALUES, kit.EPOCH)
     assert counter.count == 0
     assert fresh.shapes == []
     monkeypatch.undo()
@@ -128,17 +130,17 @@ def test_cuda_steady_state_never_synchronizes():
     from resmlp.data.gpu_augment import GpuMultiCrop
     cfg, plan = tiny_step()
     dev = torch.device("cuda")
-    step = R.build_our_step(cfg, dev, "bf16", compile=False)
+    step = kit.dino_step(cfg, dev, "bf16", compile=False)
     aug = GpuMultiCrop.from_plan(plan, cfg.data, out_dtype=torch.bfloat16)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8, device=dev)
     keys = torch.arange(8, device=dev)
     sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1).to(dev)
-    step(aug(images, seed=0, keys=keys, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)  # warm-up: allocations, handles
+    step(aug(images, seed=0, keys=keys, sizes=sizes), kit.VALUES, kit.EPOCH)  # warm-up: allocations, handles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(3):
-            step(aug(images, seed=0, keys=keys + 8 * (i + 1), sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)
+            step(aug(images, seed=0, keys=keys + 8 * (i + 1), sizes=sizes), kit.VALUES, kit.EPOCH)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert step.read()["nonfinite"] == 0
@@ -171,14 +173,14 @@ def test_fused_adamw_gives_the_same_steps():
     cfg, plan = tiny_step()
     cpu = torch.device("cpu")
     torch.manual_seed(0)
-    steps = [R.build_our_step(cfg, cpu, "fp32", compile=False) for _ in range(2)]
+    steps = [kit.dino_step(cfg, cpu, "fp32", compile=False) for _ in range(2)]
     steps[1].student.load_state_dict(steps[0].student.state_dict())
     steps[1].teacher.load_state_dict(steps[0].teacher.state_dict())
     steps[1].optimizer = build_optimizer(steps[1].student, torch.device("cuda"))  # fused=True, on CPU tensors
     assert steps[1].optimizer.defaults["fused"] and not steps[0].optimizer.defaults["fused"]
     for seed in range(3):
-        crops = R.synthetic_crops(plan, 4, cpu, seed=seed)
-        losses = [R.call_step(s, [c.clone() for c in crops]) for s in steps]
+        crops = kit.synthetic_crops(plan, 4, cpu, seed=seed)
+        losses = [kit.call_step(s, [c.clone() for c in crops]) for s in steps]
         assert torch.allclose(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     assert torch.allclose(steps[0].loss_fn.center, steps[1].loss_fn.center, atol=1e-7)
     for a, b in zip(steps[0].student.parameters(), steps[1].student.parameters()):
@@ -202,7 +204,8 @@ def test_trainer_builds_the_augmentation_compiled_and_in_the_step_dtype(tmp_path
     cfg = load_config("dino", "resmlp_s12", [*TINY, "data.subset=64", "compile=true", "precision=bf16",
                                              *short_knn, f"out={tmp_path}"])
     dino_train.train(cfg)
-    assert seen == {"compile": True, "out_dtype": torch.bfloat16}
+    on_compile_error = seen.pop("on_compile_error")   # the trainer's fallback (ssl/fallback.py, test_fallback.py)
+    assert seen == {"compile": True, "out_dtype": torch.bfloat16} and callable(on_compile_error)
 
 
 def _eager_step_builder():
@@ -320,7 +323,7 @@ def test_run_sh_never_calls_apt_get_with_its_own_python(tmp_path):
     assert out.returncode == 2 and "Fashion-MNIST" in out.stderr and "Traceback" not in out.stderr
 
 
-# ---- 6. the graphed step under a process group and continuing from weights (ssl/graphs.py) ---
+# ---- 6. the graphed step under a process group and continuing from weights (ssl/graphed_step.py) ---
 # Run by the GPU campaign: on the CPU tests/test_ddp_graphs.py and tests/test_graphs.py run the
 # same bodies uncaptured (gloo against DDP, and against DinoStep across dino.init's warm-up).
 def twin_graphed_steps(cfg, plan, dev, start=None):
@@ -328,7 +331,7 @@ def twin_graphed_steps(cfg, plan, dev, start=None):
     from omegaconf import OmegaConf
 
     from resmlp.ssl.step import build_dino_step
-    autocast = R.autocast_for(dev, "bf16")
+    autocast = kit.autocast_for(dev, "bf16")
     torch.manual_seed(0)
     plain = build_dino_step(OmegaConf.merge(cfg, {"compile": False, "dino": {"cuda_graphs": False}}), plan, dev,
                             autocast=autocast, start=start)
@@ -346,7 +349,7 @@ def test_graphed_step_in_a_one_process_nccl_group_reduces_in_its_graph(tmp_path)
     (to bf16 rounding, as tests/test_graphs.py's graphed-against-eager test)."""
     import torch.distributed as tdist
 
-    from test_graphs import SCHEDULE
+    from test_graphs import SCHEDULE, schedule
     dev = torch.device("cuda", torch.cuda.current_device())
     tdist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, device_id=dev)
     try:
@@ -354,10 +357,10 @@ def test_graphed_step_in_a_one_process_nccl_group_reduces_in_its_graph(tmp_path)
         plain, graphed = twin_graphed_steps(cfg, plan, dev)
         g = graphed.graphed
         assert g.reduce and g.flat is not None and graphed.ddp is None
-        for i, (lr, wd, m, temp, epoch) in enumerate(SCHEDULE + [(1.5e-3, 0.1, 0.998, 0.07, 1)] * 4):
-            crops = R.synthetic_crops(plan, 8, dev, seed=i)
-            a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
-            b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+        for i, (values, epoch) in enumerate(SCHEDULE + schedule((1.5e-3, 0.1, 0.998, 0.07, 1)) * 4):
+            crops = kit.synthetic_crops(plan, 8, dev, seed=i)
+            a = plain([c.clone() for c in crops], values, epoch)[0].float()
+            b = graphed([c.clone() for c in crops], values, epoch)[0].float()
             torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
         assert g.captures == 1 and g.calls == len(SCHEDULE) + 4
         for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
@@ -386,9 +389,10 @@ def test_graphed_step_continues_from_weights_across_the_head_warmup(tmp_path):
     warm = graphed.graphed.calls_to_steady_state + 2   # the warm-up calls, the capture and two replays
     for i in range(warm + 4):
         epoch = 0 if i < warm else 1
-        crops = [c[:4] for c in R.synthetic_crops(plan, 4, dev, seed=i)]
-        a = plain([c.clone() for c in crops], 1e-3, 0.04, 0.996, 0.04, epoch)[0].float()
-        b = graphed([c.clone() for c in crops], 1e-3, 0.04, 0.996, 0.04, epoch)[0].float()
+        crops = [c[:4] for c in kit.synthetic_crops(plan, 4, dev, seed=i)]
+        values = StepValues(lr=1e-3, wd=0.04, momentum=0.996, teacher_temp=0.04)
+        a = plain([c.clone() for c in crops], values, epoch)[0].float()
+        b = graphed([c.clone() for c in crops], values, epoch)[0].float()
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
         if epoch == 0:
             for net, was in ((graphed.raw_student, at_start), (graphed.teacher, teacher_at_start)):

@@ -13,8 +13,10 @@ from omegaconf import OmegaConf
 from resmlp.core import cli
 from resmlp.core.config import load_config
 from resmlp.ssl.loss import DinoLoss
+from resmlp.ssl.step import StepValues
 
 TEMP = 0.04
+VALUES = StepValues(lr=0.0, wd=0.04, momentum=0.996, teacher_temp=TEMP)   # lr 0: the weights stay
 
 
 def loss_cfg(centering: str, out_dim: int = 40):
@@ -155,24 +157,24 @@ TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out
 def test_koleo_is_lightlys_on_the_students_pooled_global_features():
     from lightly.loss import KoLeoLoss
 
-    from resmlp.bench import rows as R
+    import kit
     from resmlp.ssl.step import build_dino_step
     from resmlp.data.crop_plan import crop_plan
     cfg = load_config("dino", "resmlp_s12", [*TINY, "dino.koleo_weight=0.5", "dino.centering=sinkhorn"])
     plan = crop_plan(cfg)
-    crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)
+    crops = kit.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)
     torch.manual_seed(0)
     step = build_dino_step(cfg, plan, torch.device("cpu"))
     student = step.raw_student
     with torch.no_grad():
         want = sum(KoLeoLoss()(student.backbone(c)) for c in crops[:2])
-    step(crops, 0.0, 0.04, 0.996, TEMP, 1)
+    step(crops, VALUES, 1)
     stats = step.read()
     assert stats["koleo"] == pytest.approx(want.item(), rel=1e-4)
     torch.manual_seed(0)
     plain = build_dino_step(load_config("dino", "resmlp_s12", [*TINY, "dino.centering=sinkhorn"]), plan,
                             torch.device("cpu"))
-    plain(crops, 0.0, 0.04, 0.996, TEMP, 1)
+    plain(crops, VALUES, 1)
     base = plain.read()
     assert "koleo" not in base
     assert stats["loss"] == pytest.approx(base["loss"] + 0.5 * want.item(), rel=1e-4)  # the weighted term is in
@@ -183,7 +185,7 @@ KOLEO = [*TINY, "dino.koleo_weight=0.5", "dino.centering=sinkhorn"]
 
 def _koleo_step_on_rank(rank, out_dir):
     """One step of the trainer's DINO step (DDP over gloo) on this process's half of the batch."""
-    from resmlp.bench import rows as R
+    import kit
     from resmlp.core.dist import leaving
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
@@ -191,10 +193,10 @@ def _koleo_step_on_rank(rank, out_dir):
     with leaving():
         cfg = load_config("dino", "resmlp_s12", KOLEO)
         plan = crop_plan(cfg)
-        crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)  # the global batch
+        crops = kit.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)  # the global batch
         torch.manual_seed(0)
         step = build_dino_step(cfg, plan, torch.device("cpu"), world_size=2)
-        step([c.chunk(2)[rank] for c in crops], 0.0, 0.04, 0.996, TEMP, 1)
+        step([c.chunk(2)[rank] for c in crops], VALUES, 1)
         grads = {n: p.grad.clone() for n, p in step.raw_student.named_parameters() if p.grad is not None}
         torch.save({"stats": step.read(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -207,7 +209,7 @@ def test_koleo_over_two_gloo_processes_is_per_process_as_in_dinov2(tmp_path):
     Checked on the gradients every rank applies and on the logged loss and KoLeo."""
     from lightly.loss import KoLeoLoss
 
-    from resmlp.bench import rows as R
+    import kit
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
     mp.spawn(_koleo_step_on_rank, args=(str(tmp_path),), nprocs=2, join=True)
@@ -215,7 +217,7 @@ def test_koleo_over_two_gloo_processes_is_per_process_as_in_dinov2(tmp_path):
 
     cfg = load_config("dino", "resmlp_s12", KOLEO)
     plan = crop_plan(cfg)
-    crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)
+    crops = kit.synthetic_crops(plan, 8, torch.device("cpu"), seed=0)
     torch.manual_seed(0)
     one = build_dino_step(cfg, plan, torch.device("cpu"))
     koleo = KoLeoLoss()
@@ -224,7 +226,7 @@ def test_koleo_over_two_gloo_processes_is_per_process_as_in_dinov2(tmp_path):
         return sum(torch.stack([koleo(half) for half in view.chunk(2)]).mean() for view in features.float().chunk(2))
 
     one.loss_fn.koleo = per_process
-    one(crops, 0.0, 0.04, 0.996, TEMP, 1)
+    one(crops, VALUES, 1)
     want = one.read()
     for got in ranks:
         assert got["stats"]["koleo"] == pytest.approx(want["koleo"], rel=1e-5)

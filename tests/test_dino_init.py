@@ -13,6 +13,7 @@ import torch
 
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
+from resmlp.ssl.step import StepValues
 
 from test_dino import ROOT, TINY as DINO_TINY, needs_fmnist
 
@@ -167,14 +168,15 @@ def test_the_step_freezes_the_backbone_only_during_the_warmup(tmp_path):
     crops = [torch.randn(4, 3, 32, 32)] * 2 + [torch.randn(4, 3, 16, 16)] * plan.n_local
     before = {k: v.clone() for k, v in step.raw_student.state_dict().items()}
     teacher_before = {k: v.clone() for k, v in step.teacher.state_dict().items()}
-    step(crops, 1e-3, 0.04, 0.9, 0.04, epoch=0)
+    values = StepValues(lr=1e-3, wd=0.04, momentum=0.9, teacher_temp=0.04)
+    step(crops, values, epoch=0)
     after = step.raw_student.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in after if k.startswith("backbone."))
     assert any(not torch.equal(before[k], after[k]) for k in after if k.startswith("head."))
     t_after = step.teacher.state_dict()
     assert all(torch.equal(teacher_before[k], t_after[k]) for k in t_after if k.startswith("backbone."))
     assert all(p.grad is None for p in step.raw_student.backbone.parameters())
-    step(crops, 1e-3, 0.04, 0.9, 0.04, epoch=1)                     # the backbone joins
+    step(crops, values, epoch=1)   # the backbone joins
     assert any(not torch.equal(before[k], v) for k, v in step.raw_student.state_dict().items()
                if k.startswith("backbone."))
 

@@ -1,7 +1,9 @@
 """The docs stay true to the code (issue 45): in README.md, docs/*.md and tools/campaign/README.md
 every relative link leads to a file (and a heading, for a link to one), every `bash run.sh
 <command>` names a command `bash run.sh help` lists, and every key=value on such a command line,
-or alone in a code span, is a key of a config. The README stays short enough to read.
+or alone in a code span, is a key of a config. Every file path named there (and in docs/'s
+dated reports, tools/bench/NOTES.md and the module docstrings of the code, the tools, the
+studies and the tests) names a file that exists. The README stays short enough to read.
 
 The checker is tested on small planted texts below, so that a checker that finds nothing fails.
 """
@@ -188,13 +190,11 @@ def configs_of(command: str, model: str | None, data: str | None) -> tuple:
 
 @lru_cache(maxsize=None)
 def every_config() -> tuple:
-    """The configs of every command on every data set, of run.sh's tools, and the method files
-    of the modules that are run with `python -m` (bench/profile.py's profile.yaml)."""
+    """The configs of every command on every data set and of run.sh's tools (with every YAML of
+    a tool's folder: tools/bench's profile.yaml, the keys of `python -m bench.profile`)."""
     tools = listed_commands() - set(cli.COMMANDS) - {"help", "test"}
-    modules = sorted(p for p in (CONFIG_DIR / "method").glob("*.yaml") if p.stem not in cli.COMMANDS)
     return tuple(c for command in cli.COMMANDS for data in available("data") for c in configs_of(command, None, data)) \
-        + tuple(c for tool in sorted(tools) for c in configs_of(tool, None, None)) \
-        + tuple(OmegaConf.load(p) for p in modules)
+        + tuple(c for tool in sorted(tools) for c in configs_of(tool, None, None))
 
 
 ABSENT = object()
@@ -281,11 +281,63 @@ def text_problems(path: Path, text: str) -> list[str]:
     return problems
 
 
+# --- file paths named in prose and docstrings ------------------------------------------------
+
+# folders then a file with a known suffix: core/cli.py, tools/bench/NOTES.md, ../README.md
+FILE_PATH = re.compile(r"(?<![\w./<>$*{~-])((?:[\w.-]+/)+[\w-][\w.-]*\.(?:py|md|yaml|sh|toml|txt|json|jsonl))(?![\w/])")
+OURS = {"core", "models", "data", "ssl", "eval", "supervised", "configs", "tools", "tests", "docs", "studies"}
+
+
+@lru_cache(maxsize=None)
+def ignored_folders() -> frozenset:
+    """The folders .gitignore names (runs/, .baselines/, ...): what commands write, not files of the repository."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return frozenset(line.strip().strip("/") for line in lines if line.strip().endswith("/"))
+
+
+def path_problems(where: Path, text: str) -> list[str]:
+    """Each file path named in `text` (the file at `where`) that leads to no file, looked for from
+    the repository and from the text's own folder. Not checked: an output's (in a folder git
+    ignores) and another project's (under an importable package not of this one:
+    torch/_decomp/...); a web address never matches (each of its parts follows a / or a letter)."""
+    import importlib.util
+    problems = []
+    for m in FILE_PATH.finditer(text):
+        path = m.group(1)
+        first = Path(path).parts[0]
+        if (ROOT / path).exists() or (where.parent / path).exists() or first in ignored_folders():
+            continue
+        tools = {t.name for t in (ROOT / "tools").iterdir() if t.is_dir()}
+        if first not in OURS | tools and importlib.util.find_spec(first) is not None:
+            continue
+        problems.append(f"{where.relative_to(ROOT) if where.is_relative_to(ROOT) else where.name}: "
+                        f"{path} is not a file of the repository")
+    return problems
+
+
+def docstring_files() -> list[Path]:
+    """Every Python file of the code, the tools, the studies and the tests."""
+    return sorted(p for folder in OURS - {"configs", "docs"} for p in (ROOT / folder).rglob("*.py"))
+
+
 # --- the docs --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_docs_are_true(path):
     problems = text_problems(path, path.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_every_file_a_page_names_exists():
+    pages = [*doc_files(), *sorted((ROOT / "docs").rglob("*/*.md")), *sorted((ROOT / "tools").rglob("*.md"))]
+    problems = [p for page in dict.fromkeys(pages) for p in path_problems(page, page.read_text())]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_file_a_module_docstring_names_exists():
+    import ast
+    problems = [p for path in docstring_files()
+                for p in path_problems(path, ast.get_docstring(ast.parse(path.read_text())) or "")]
     assert not problems, "\n".join(problems)
 
 
@@ -346,3 +398,14 @@ def test_an_unknown_key_is_found():
 def test_a_data_set_and_model_that_do_not_exist_are_found():
     problems = command_problems("dino resmlp_s13 data=imagenett", listed_commands())
     assert len(problems) == 2 and "resmlp_s13" in problems[0] and "imagenett" in problems[1], problems
+
+
+def test_a_path_to_nothing_is_found():
+    page = ROOT / "docs" / "x.md"
+    text = ("`core/cli.py`, tools/bench/NOTES.md, [a](../README.md), resmlp.ssl's `ssl/step.py`, "
+            "https://github.com/x/y/blob/main/z/nothere.py, runs/bench/bench.json, torch/_decomp/decompositions.py, "
+            "<out>/bench.json, $OUT/x/y.json\n"
+            "tools/campaign/compiling.py and bench/rows.py and ssl/nothere.py (gone)")
+    problems = path_problems(page, text)
+    assert [p.split(": ")[1].split()[0] for p in problems] == \
+        ["tools/campaign/compiling.py", "bench/rows.py", "ssl/nothere.py"], problems

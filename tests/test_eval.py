@@ -279,12 +279,18 @@ def cli(*args):
 
 def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, capsys):
     common = [f"data.root={mini_fmnist}", "num_workers=0", "device=cpu"]
-    assert cli("linear", run_dir, *common, "linear.epochs=3", f"out={tmp_path}/lin") == 0
+    assert cli("linear", run_dir, *common, "linear.l2=[1e-3,1e-1]", f"out={tmp_path}/lin") == 0
     res = json.loads((tmp_path / "lin" / "linear.json").read_text())
-    assert res["mode"] == "cached" and res["epochs"] == 3 and res["n_train"] == 600 and res["n_test"] == 200
-    assert 0 <= res["top1"] <= res["top5"] <= 100 and len(res["per_lr"]) == 9
-    assert res["top1"] == max(r["top1"] for r in res["per_lr"])
+    assert res["protocol"] == "lbfgs" and res["mode"] == "cached" and res["n_train"] == 600 and res["n_test"] == 200
+    assert 0 <= res["top1"] <= res["top5"] <= 100 and [r["l2"] for r in res["per_l2"]] == [1e-3, 1e-1]
+    assert res["l2"] in (1e-3, 1e-1) and res["n_holdout"] == 120 and res["holdout"] == 0.2
     assert sorted(p.name.split("-")[0] for p in (run_dir / "features").glob("*.pt")) == ["test", "train"]
+    assert "linear top1=" in capsys.readouterr().out.splitlines()[-2]    # then "wrote ..."
+    assert cli("linear", run_dir, *common, "linear.protocol=dino", "linear.epochs=3", f"out={tmp_path}/dino") == 0
+    res = json.loads((tmp_path / "dino" / "linear.json").read_text())
+    assert res["protocol"] == "dino" and res["epochs"] == 3 and len(res["per_lr"]) == 9
+    assert res["top1"] == max(r["top1"] for r in res["per_lr"])
+    assert "chosen on the test split" in capsys.readouterr().out
 
     assert cli("knn", run_dir, *common, "k=5,10", "T=0.1") == 0
     out = capsys.readouterr().out
@@ -305,7 +311,8 @@ def test_linear_and_knn_commands_end_to_end(mini_fmnist, run_dir, tmp_path, caps
     assert cli("linear", run_dir, *common, "linear.mode=augmented", "linear.epochs=1",
                "linear.batch_size=128", f"out={tmp_path}/aug") == 0
     aug = json.loads((tmp_path / "aug" / "linear.json").read_text())
-    assert aug["mode"] == "augmented" and aug["lr"] == 0.001 and aug["lr_effective"] == 0.0005
+    assert aug["mode"] == "augmented" and aug["protocol"] == "dino" and aug["lr"] == 0.001
+    assert aug["lr_effective"] == 0.0005
 
     for bad in (["k=0"], ["k=601"], ["T=0"], ["key=middle"]):
         assert cli("knn", run_dir, *common, *bad) == 2, bad
@@ -331,14 +338,18 @@ def test_few_label_knn_and_linear_commands(mini_fmnist, run_dir, tmp_path, capsy
     assert cell["k_used"] == 10 and len(cell["tries"]) == 3 and {"top1", "top1_std", "top5", "top5_std"} <= set(cell)
     assert 0 <= cell["top1"] <= 100 and cell["top1_std"] >= 0
 
-    assert cli("linear", run_dir, *common, "linear.epochs=2", "linear.lrs=[0.01,0.1]", "few_labels=[2]",
-               "tries=2", f"out={tmp_path}/l") == 0   # the same two short keys as knn's
+    assert cli("linear", run_dir, *common, "linear.protocol=dino", "linear.epochs=2", "linear.lrs=[0.01,0.1]",
+               "few_labels=[2]", "tries=2", f"out={tmp_path}/l") == 0   # the same two short keys as knn's
     out = capsys.readouterr().out
     assert "features: loaded from cache" in out and "linear probe with few labels" in out
     lin = json.loads((tmp_path / "l" / "linear.json").read_text())["few_labels"]
     r = lin["results"]["2"]
     assert r["bank"] == 20 and r["batch_size"] == 20 and len(r["tries"]) == 2 and {"top1_std", "top5_std"} <= set(r)
     assert all(t["lr"] in (0.01, 0.1) for t in r["tries"])
+    assert cli("linear", run_dir, *common, "linear.l2=[0.01,1]", "few_labels=[2]", "tries=2", f"out={tmp_path}/lb") == 0
+    assert "held-out training images outside the picks" in capsys.readouterr().out
+    lin = json.loads((tmp_path / "lb" / "linear.json").read_text())["few_labels"]
+    assert lin["protocol"] == "lbfgs" and all(t["l2"] in (0.01, 1) for t in lin["results"]["2"]["tries"])
 
     for bad in (["linear.mode=augmented", "linear.few_labels=[2]"], ["linear.few_labels=[0]"],
                 ["linear.tries=0"], ["linear.few_labels=[1.5]"]):
@@ -352,7 +363,7 @@ def test_few_label_knn_and_linear_commands(mini_fmnist, run_dir, tmp_path, capsy
 def test_knn_refuses_val_classes_unlike_train_before_extracting(tmp_path, capsys):
     """An image folder whose val/ lacks a class of train/ (or has another): one line, exit
     2, before any feature is extracted or cached."""
-    from resmlp.bench.rows import make_jpeg_folder
+    from kit import make_jpeg_folder
     make_jpeg_folder(str(tmp_path / "data"), 12, 32, 40, classes=3)
     os.rename(tmp_path / "data" / "val" / "c02", tmp_path / "data" / "val" / "other")
     run = tmp_path / "run"
@@ -402,7 +413,7 @@ def test_viz_figures(run_dir, tmp_path):
 def test_online_knn_keeps_the_eval_images_between_calls(tmp_path, monkeypatch):
     """With a cache, the second call builds no dataset and gives the same result."""
     import resmlp.data as rdata
-    from resmlp.bench.rows import make_jpeg_folder
+    from kit import make_jpeg_folder
     from resmlp.core.config import load_config
     from resmlp.eval.knn import online_knn
     make_jpeg_folder(str(tmp_path), 40, 24, 40, classes=4)

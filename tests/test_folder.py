@@ -20,6 +20,8 @@ from resmlp.data import build_dataset
 from resmlp.data import folder as folder_mod
 from resmlp.data.folder import HIDDEN, LOOP, NOT_IMAGE, TWICE, FileLists, scan_folder
 
+from test_data import data_cfg
+
 REPO = Path(__file__).resolve().parent.parent
 # A tiny DINO at 16 px (4x4 patches of 4 px, local crops of 8 px).
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "data.img_size=16", "model.patch_size=4",
@@ -94,7 +96,7 @@ def test_scan_finds_every_image_at_any_depth_and_counts_what_it_skips(mixed):
 
 
 def test_folder_dataset_corrupt_files_and_subset(mixed, capsys):
-    cfg = OmegaConf.create({"name": "folder", "root": str(mixed), "files": None, "subset": None})
+    cfg = data_cfg(name="folder", root=str(mixed), files=None)
     ds = build_dataset(cfg, "train")
     assert len(ds) == 9 and (ds.targets == -1).all() and ds.classes == []
     ok = [i for i in range(len(ds)) if not ds.path(i).endswith("broken.jpg")]
@@ -119,7 +121,7 @@ def test_a_file_list_takes_relative_and_absolute_paths_and_names_a_missing_one(t
     lst = tmp_path / "list.txt"
     lst.write_text(f"# my images\n{os.path.relpath(paths[0], root)}\n\n{paths[1]}\n{paths[2]}\n"
                    f"{os.path.relpath(paths[2], root)}\n")
-    cfg = OmegaConf.create({"name": "folder", "root": str(root), "files": str(lst)})
+    cfg = data_cfg(name="folder", root=str(root), files=str(lst))
     ds = build_dataset(cfg, "train")
     assert [p for p, _ in ds.samples] == sorted(paths[:3]) and ds.skipped.counts[TWICE] == 1
 
@@ -173,7 +175,7 @@ def test_preview_draws_a_folders_crops(tmp_path, capsys):
 
 def test_rank_zero_scans_and_the_others_take_its_list(tmp_path, monkeypatch):
     root = photos(tmp_path / "imgs", 4)
-    cfg = OmegaConf.create({"name": "folder", "root": str(root)})
+    cfg = data_cfg(name="folder", root=str(root))
     lists = FileLists(tmp_path / "run")
     sent = FileLists(None).get(cfg)
     monkeypatch.setattr(folder_mod.dist, "is_main", lambda: False)
@@ -189,14 +191,14 @@ def test_rank_zero_hands_over_its_scan_in_one_collective(mixed, tmp_path, monkey
     in the one broadcast that carries the whole result."""
     sent = []
     monkeypatch.setattr(folder_mod.dist, "broadcast_object", lambda obj: sent.append(obj) or obj)
-    cfg = OmegaConf.create({"name": "folder", "root": str(mixed), "skip_corrupt": True})
+    cfg = data_cfg(name="folder", root=str(mixed), skip_corrupt=True)
     scan = FileLists(tmp_path / "run").get(cfg)
     assert len(sent) == 1 and sent[0][0] == "ok" and sent[0][1] is scan
     assert len(scan.paths) == 8 and [os.path.basename(p) for p, _ in scan.unreadable] == ["broken.jpg"]
     sent.clear()
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no images under"):
-        FileLists(None).get(OmegaConf.create({"name": "folder", "root": str(tmp_path / "empty")}))
+        FileLists(None).get(data_cfg(name="folder", root=str(tmp_path / "empty")))
     assert len(sent) == 1 and sent[0][0] == "error"       # an error reaches every rank too
 
 
@@ -334,7 +336,7 @@ def test_viz_map_of_a_labeled_set_is_coloured_by_class(folder_run, tmp_path):
     assert main(["viz", str(folder_run["run"]), "data=imagefolder", f"data.root={folder_run['lab']}",
                  "viz.figures=[embedding]", "viz.embedding_images=10", "viz.dpi=40", "seed=3", f"out={out}"]) == 0
     emb = json.loads((out / "viz.json").read_text())["embedding"]
-    test = build_dataset(OmegaConf.create({"name": "imagefolder", "root": str(folder_run["lab"])}), "test")
+    test = build_dataset(data_cfg(name="imagefolder", root=str(folder_run["lab"])), "test")
     assert emb["split"] == "test" and len(emb["images"]) == 10 and "thumbnails" not in emb
     assert emb["labels"] == [int(test.targets[i]) for i in emb["images"]] and len(emb["xy"]) == 10
     again = tmp_path / "again"

@@ -16,6 +16,7 @@ from resmlp.core.config import load_config
 from resmlp.core.run_folder import config_differences
 from resmlp.models import CROSS_PATCHES, create_model, export_state_dict, fold_affine
 from resmlp.models.from_config import build_model
+from resmlp.models.fused import FusedOptions
 from resmlp.models.resmlp import FusedResMLPBlock, ResMLPBlock
 
 DIM = 32
@@ -36,7 +37,8 @@ def twin_blocks(norm: str, cross_patch: str, grid_adapt: str, drop_path: float =
     """A plain block and a fused one (of `fused_kw`: token_major, ...) with the same parameters."""
     plain = ResMLPBlock(DIM, BUILT, 4.0, 0.1, drop_path, norm, cross_patch, grid_adapt)
     randomize(plain, seed=1)
-    fused = FusedResMLPBlock(DIM, BUILT, 4.0, 0.1, drop_path, norm, cross_patch, grid_adapt, **fused_kw)
+    fused = FusedResMLPBlock(DIM, BUILT, 4.0, 0.1, drop_path, norm, cross_patch, grid_adapt,
+                             options=FusedOptions(**fused_kw))
     fused.load_state_dict(plain.state_dict())
     return plain, fused
 
@@ -283,25 +285,23 @@ def dino_steps_agree(overrides: list[str], check=None) -> None:
     """One DINO step (student with drop path, no-grad teacher, loss, AdamW, EMA) of the plain
     blocks and of the blocks `overrides` make, from the same weights and generator state: the
     same losses and the same teacher after two. `check(step)`: on the second step, once built."""
-    from test_bench import tiny_profile
-
-    import resmlp.bench.rows as R
+    import kit
     from resmlp.data.crop_plan import crop_plan
     cpu = torch.device('cpu')
     steps, losses = {}, {}
     for other, over in ((False, ['model.fused=false']), (True, overrides)):
         torch.manual_seed(0)
-        cfg = R.dino_config(tiny_profile(), 'resmlp_s12', 'interpolate', over)
-        steps[other] = R.build_our_step(cfg, cpu, 'fp32', compile=False)
+        cfg = kit.small_dino_config('interpolate', over)
+        steps[other] = kit.dino_step(cfg, cpu, 'fp32', compile=False)
     assert isinstance(steps[False].student.backbone.blocks[0], ResMLPBlock)
     if check:
         check(steps[True])
     steps[True].student.load_state_dict(steps[False].student.state_dict())
     steps[True].teacher.load_state_dict(steps[False].teacher.state_dict())
-    crops = R.synthetic_crops(crop_plan(cfg), 4, cpu)
+    crops = kit.synthetic_crops(crop_plan(cfg), 4, cpu)
     for other, step in steps.items():
         torch.manual_seed(1)
-        losses[other] = [R.call_step(step, [c.clone() for c in crops]) for _ in range(2)]
+        losses[other] = [kit.call_step(step, [c.clone() for c in crops]) for _ in range(2)]
     for a, b in zip(losses[True], losses[False]):
         assert rel_err(a, b) <= 1e-5
     want = steps[False].teacher.state_dict()

@@ -1,4 +1,4 @@
-"""dino.cuda_graphs (ssl/graphs.py): the step with its schedules in device tensors, and the path
+"""dino.cuda_graphs (ssl/graphed_step.py): the step with its schedules in device tensors, and the path
 a run takes (compiled by region or whole, graphed or not) that `compile=auto` and
 `dino.cuda_graphs=auto` choose. On the CPU the graph's arithmetic runs uncaptured against
 DinoStep's own (also continuing from weights, across the head warm-up); the capture itself
@@ -10,21 +10,29 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from resmlp.bench import rows as R
 from resmlp.core.compiling import compile_form
 from resmlp.core.config import load_config, save_config, to_dict
 from resmlp.core.errors import Finished, UserError
-from resmlp.ssl.graphs import GraphedStep, dino_path, use_cuda_graphs
+from resmlp.ssl.graphed_step import GraphedStep, use_cuda_graphs
+from resmlp.ssl.step import StepValues, dino_path
+
+import kit
 
 needs_cuda = pytest.mark.cuda  # skipped without a GPU (conftest.py); the campaign runs them
 
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out_dim=64", "dino.hidden_dim=32",
         "dino.bottleneck_dim=16", "dino.n_local_crops=2", "model.drop_path_rate=0.0", "data=imagefolder",
         "data.img_size=32", "model.patch_size=8", "data.local_size=16", "dino.freeze_last_layer=1"]
-# (lr, weight decay, momentum, teacher temperature, epoch): every value moves, the last
-# layer unfreezes half-way, and the decay is large enough that a wrong one would show
-SCHEDULE = [(1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4, 0.994, 0.06, 1),
-            (2.5e-3, 0.5, 0.996, 0.07, 1), (2e-3, 0.6, 0.998, 0.07, 1)]
+
+def schedule(*points) -> list:
+    """(StepValues, epoch) pairs from (lr, weight decay, momentum, teacher temperature, epoch) points."""
+    return [(StepValues(*point[:4]), point[4]) for point in points]
+
+
+# every value moves, the last layer unfreezes half-way, and the decay is large enough that a
+# wrong one would show
+SCHEDULE = schedule((1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4, 0.994, 0.06, 1),
+                    (2.5e-3, 0.5, 0.996, 0.07, 1), (2e-3, 0.6, 0.998, 0.07, 1))
 
 
 def tiny(*extra):
@@ -37,8 +45,8 @@ def twin_steps(device, precision="fp32", compile=False, graphed_kw=None, extra=(
     """The same step twice, same weights: (DinoStep as it is, DinoStep with GraphedStep)."""
     cfg, plan = tiny(*extra)
     torch.manual_seed(0)
-    plain = R.build_our_step(cfg, device, precision, compile=compile)
-    graphed = R.build_our_step(cfg, device, precision, compile=compile)
+    plain = kit.dino_step(cfg, device, precision, compile=compile)
+    graphed = kit.dino_step(cfg, device, precision, compile=compile)
     graphed.student.load_state_dict(plain.student.state_dict())
     graphed.teacher.load_state_dict(plain.teacher.state_dict())
     graphed.graphed = GraphedStep(graphed, **(graphed_kw or {}))
@@ -73,10 +81,10 @@ def test_tensor_schedules_give_the_steps_of_plain_numbers():
     cpu = torch.device("cpu")
     plain, graphed, plan = twin_steps(cpu, graphed_kw={"capture": False})
     frozen_at_start = last_layer(graphed).detach().clone()
-    for i, (lr, wd, m, temp, epoch) in enumerate(SCHEDULE):
-        crops = R.synthetic_crops(plan, 8, cpu, seed=i)
-        a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)
-        b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)
+    for i, (values, epoch) in enumerate(SCHEDULE):
+        crops = kit.synthetic_crops(plan, 8, cpu, seed=i)
+        a = plain([c.clone() for c in crops], values, epoch)
+        b = graphed([c.clone() for c in crops], values, epoch)
         torch.testing.assert_close(b[0], a[0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
         if epoch == 0:
@@ -125,12 +133,12 @@ def test_the_graphed_body_continues_from_weights_as_dinostep_does(tmp_path):
     plain, graphed, plan = continuing_twins(tmp_path)
     backbone_at_start = {k: v.clone() for k, v in graphed.raw_student.backbone.state_dict().items()}
     teacher_at_start = {k: v.clone() for k, v in graphed.teacher.backbone.state_dict().items()}
-    schedule = [(1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4, 0.994, 0.06, 1),
-                (2.5e-3, 0.5, 0.996, 0.07, 1), (2e-3, 0.6, 0.998, 0.07, 2), (1.5e-3, 0.6, 0.998, 0.07, 2)]
-    for i, (lr, wd, m, temp, epoch) in enumerate(schedule):
-        crops = [c[:4] for c in R.synthetic_crops(plan, 4, torch.device("cpu"), seed=i)]
-        a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)
-        b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)
+    points = schedule((1e-3, 0.2, 0.99, 0.04, 0), (2e-3, 0.3, 0.992, 0.05, 0), (3e-3, 0.4, 0.994, 0.06, 1),
+                      (2.5e-3, 0.5, 0.996, 0.07, 1), (2e-3, 0.6, 0.998, 0.07, 2), (1.5e-3, 0.6, 0.998, 0.07, 2))
+    for i, (values, epoch) in enumerate(points):
+        crops = [c[:4] for c in kit.synthetic_crops(plan, 4, torch.device("cpu"), seed=i)]
+        a = plain([c.clone() for c in crops], values, epoch)
+        b = graphed([c.clone() for c in crops], values, epoch)
         torch.testing.assert_close(b[0], a[0], rtol=1e-6, atol=1e-6)
         if epoch == 0:   # the warm-up: bitwise, as the eager step without gradients leaves it
             for net, start in ((graphed.raw_student, backbone_at_start), (graphed.teacher, teacher_at_start)):
@@ -165,7 +173,7 @@ def test_the_switch():
         use_cuda_graphs("true", gpu, False)
     assert tiny()[0].dino.cuda_graphs == "auto"   # the default: on where it can be
     with pytest.raises(UserError, match="dino.cuda_graphs=true needs a CUDA GPU"):
-        R.build_our_step(tiny()[0], cpu, "fp32", compile=False, graphs=True)
+        kit.dino_step(tiny()[0], cpu, "fp32", compile=False, graphs=True)
     from resmlp.ssl.step import build_dino_step
     cfg, plan = tiny("dino.cuda_graphs=auto")
     assert build_dino_step(cfg, plan, cpu).graphed is None
@@ -190,7 +198,7 @@ def test_auto_takes_the_measured_path_for_each_case():
     assert fp16.record() == {"compile": "whole", "cuda_graphs": False}
     assert lines(fp16) == ["path: networks compiled whole, not graphed",
                            "graphs off: fp16 needs GradScaler, which reads its scale on the host (precision=bf16 is "
-                           "graphed)"]
+                           "graphed, on a GPU that has bf16: sm 8.0 or later)"]
     assert path_of("cuda:0", "model.grad_checkpointing=true").record() == {"compile": "whole", "cuda_graphs": False}
     assert path_of("cuda:0", "dino.cuda_graphs=false").lines() == ["path: networks compiled whole, not graphed",
                                                                   "graphs off: dino.cuda_graphs=false"]
@@ -257,19 +265,19 @@ def test_graphed_steps_equal_eager_steps_and_capture_once(compile, precision):
     plain, graphed, plan = twin_steps(dev, precision, compile=compile, extra=["model.drop_path_rate=0.1"])
     loss_tol, weight_tol = (2e-2, 2e-3) if precision == "bf16" else (1e-4, 1e-3)
     g = graphed.graphed
-    schedule = SCHEDULE + [(1.5e-3, 0.1, 0.998, 0.07, 1)] * 4
+    points = SCHEDULE + schedule((1.5e-3, 0.1, 0.998, 0.07, 1)) * 4
     compiled_graphs = None
     try:
-        for i, (lr, wd, m, temp, epoch) in enumerate(schedule):
-            crops = R.synthetic_crops(plan, 8, dev, seed=i)
+        for i, (values, epoch) in enumerate(points):
+            crops = kit.synthetic_crops(plan, 8, dev, seed=i)
             state = torch.cuda.get_rng_state()
-            a = plain([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+            a = plain([c.clone() for c in crops], values, epoch)[0].float()
             torch.cuda.set_rng_state(state)
-            b = graphed([c.clone() for c in crops], lr, wd, m, temp, epoch)[0].float()
+            b = graphed([c.clone() for c in crops], values, epoch)[0].float()
             torch.testing.assert_close(b, a, rtol=loss_tol, atol=loss_tol)
             if i + 1 == g.calls_to_steady_state:
                 compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        assert g.captures == 1 and g.calls == len(schedule)
+        assert g.captures == 1 and g.calls == len(points)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_graphs
         for p, q in zip(plain.raw_student.parameters(), graphed.raw_student.parameters()):
             torch.testing.assert_close(q, p, rtol=loss_tol, atol=weight_tol)
@@ -286,13 +294,13 @@ def test_graphed_replays_draw_new_drop_path_masks(compile):
     center held): with drop path 0.1 every replay's loss differs and the generator moves on;
     without drop path the losses are equal, so the masks alone made the difference."""
     dev = torch.device("cuda")
-    held = (0.0, 0.0, 1.0, 0.04, 1)  # lr, weight decay, momentum 1 (EMA weight 0), temperature, epoch
+    held = (StepValues(lr=0.0, wd=0.0, momentum=1.0, teacher_temp=0.04), 1)  # momentum 1: EMA weight 0
     try:
         for rate in (0.1, 0.0):
             cfg, plan = tiny(f"model.drop_path_rate={rate}", "dino.center_momentum=1.0")
             torch.manual_seed(0)
-            step = R.build_our_step(cfg, dev, "bf16", compile=compile, graphs=True)
-            crops = R.synthetic_crops(plan, 8, dev, seed=0)
+            step = kit.dino_step(cfg, dev, "bf16", compile=compile, graphs=True)
+            crops = kit.synthetic_crops(plan, 8, dev, seed=0)
             for _ in range(step.graphed.calls_to_steady_state):
                 step(crops, *held)
             losses, states = [], []
@@ -317,18 +325,18 @@ def test_graphed_step_never_reads_the_device():
     from resmlp.data.gpu_augment import GpuMultiCrop
     dev = torch.device("cuda")
     cfg, plan = tiny()
-    step = R.build_our_step(cfg, dev, "bf16", compile=False, graphs=True)
+    step = kit.dino_step(cfg, dev, "bf16", compile=False, graphs=True)
     aug = GpuMultiCrop.from_plan(plan, cfg.data, out_dtype=torch.bfloat16)
     images = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8, device=dev)
     keys = torch.arange(8, device=dev)
     sizes = torch.stack([torch.arange(8) + 20, 36 - torch.arange(8)], dim=1).to(dev)
     for i in range(step.graphed.calls_to_steady_state):
-        step(aug(images, seed=0, keys=keys + 8 * i, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 0)
+        step(aug(images, seed=0, keys=keys + 8 * i, sizes=sizes), kit.VALUES, 0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(3):
-            step(aug(images, seed=0, keys=keys + 100 + 8 * i, sizes=sizes), 1e-4, 0.04, 0.996, 0.04, 1)
+            step(aug(images, seed=0, keys=keys + 100 + 8 * i, sizes=sizes), kit.VALUES, 1)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert step.graphed.captures == 1
@@ -384,9 +392,16 @@ def test_the_trainer_runs_to_its_summary_without_graphs(tmp_path, monkeypatch, s
     """The graphed run's path from the loop to its summary, without the capture: on the CPU it
     runs in CI (the graphed one only where a GPU is). Asked auto for both (the defaults), the
     run says which path it took in its first lines; config.yaml keeps what was asked,
-    results.json what was chosen."""
+    results.json what was chosen. The path is decided once, before the views, and the views
+    and the step are handed that one."""
+    from resmlp.ssl import train as dino_train
+    decided, given = [], []
+    real_path, real_views = dino_train.dino_path, dino_train.build_views
+    monkeypatch.setattr(dino_train, "dino_path", lambda *a, **k: decided.append(real_path(*a, **k)) or decided[-1])
+    monkeypatch.setattr(dino_train, "build_views", lambda *a, **k: given.append(k["path"]) or real_views(*a, **k))
     built = two_epochs(tmp_path, monkeypatch, short_knn, graphs="auto")
     assert built[0].graphed is None
+    assert len(decided) == 1 and given == decided and built[0].path is decided[0]
     out = capsys.readouterr().out
     assert "(k=20, T=0.07)" in out
     lines = out.splitlines()

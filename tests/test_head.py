@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from resmlp.bench import rows as R
 from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
 from resmlp.ssl.head import build_head, head_forward, prototype_mm
 from resmlp.ssl.loss import DinoLoss
+from resmlp.ssl.step import StepValues
+
+import kit
 
 
 # ---- the precisions against fp32 and against DINO as published ---------------------------
@@ -133,7 +135,7 @@ def test_the_heads_precisions_compute_the_plain_head(norm_last_layer):
     untouched."""
     torch.manual_seed(0)
     cfg = OmegaConf.create({"hidden_dim": 32, "bottleneck_dim": 16, "out_dim": 64, "freeze_last_layer": 1,
-                            "norm_last_layer": norm_last_layer})
+                            "norm_last_layer": norm_last_layer, "bottleneck_norm": "none"})
     head = build_head(24, cfg)
     with torch.no_grad():
         head.last_layer.weight_g.mul_(torch.rand_like(head.last_layer.weight_g) + 0.5)
@@ -163,7 +165,7 @@ def test_head_precision_is_a_config_key_with_its_words(tmp_path):
     step_cfg, plan = tiny()
     step_cfg.dino.head_precision = "fp8"        # a config built in code
     with pytest.raises(UserError, match="dino.head_precision"):
-        R.build_our_step(step_cfg, torch.device("cpu"), "fp32", compile=False)
+        kit.dino_step(step_cfg, torch.device("cpu"), "fp32", compile=False)
 
 
 @pytest.mark.cuda
@@ -218,7 +220,8 @@ def test_the_mean_centered_loss_is_lightlys():
 TINY = ["demo=false", "model.dim=16", "model.depth=2", "batch_size=8", "dino.out_dim=64", "dino.hidden_dim=32",
         "dino.bottleneck_dim=16", "dino.n_local_crops=2", "model.drop_path_rate=0.0", "data=imagefolder",
         "data.img_size=32", "model.patch_size=8", "data.local_size=16", "dino.freeze_last_layer=0"]
-SCHEDULE = [(1e-3, 0.04, 0.99, 0.04), (2e-3, 0.05, 0.992, 0.05), (3e-3, 0.06, 0.994, 0.06)]
+SCHEDULE = [StepValues(1e-3, 0.04, 0.99, 0.04), StepValues(2e-3, 0.05, 0.992, 0.05),
+            StepValues(3e-3, 0.06, 0.994, 0.06)]
 
 
 def tiny(*extra):
@@ -229,12 +232,12 @@ def tiny(*extra):
 
 def twins(compile_second: bool, *extra, graphed=False):
     """Two steps of the same weights: eager, and compiled (or not) and graphed (or not)."""
-    from resmlp.ssl.graphs import GraphedStep
+    from resmlp.ssl.graphed_step import GraphedStep
     cfg, plan = tiny(*extra)
     cpu = torch.device("cpu")
     torch.manual_seed(0)
-    a = R.build_our_step(cfg, cpu, "fp32", compile=False)
-    b = R.build_our_step(cfg, cpu, "fp32", compile=compile_second)
+    a = kit.dino_step(cfg, cpu, "fp32", compile=False)
+    b = kit.dino_step(cfg, cpu, "fp32", compile=compile_second)
     b.student.load_state_dict(a.student.state_dict())
     b.teacher.load_state_dict(a.teacher.state_dict())
     if graphed:
@@ -258,10 +261,10 @@ def test_the_compiled_head_and_loss_equal_the_eager_ones(extra):
         eager, compiled, plan = twins(True, *extra)
         assert compiled.raw_student.head_forward is not eager_head and compiled.loss_fn.cross_entropy is not \
             eager.loss_fn.cross_entropy
-        for i, (lr, wd, m, temp) in enumerate(SCHEDULE):
-            crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=i)
-            a = eager([c.clone() for c in crops], lr, wd, m, temp, 1)
-            b = compiled([c.clone() for c in crops], lr, wd, m, temp, 1)
+        for i, values in enumerate(SCHEDULE):
+            crops = kit.synthetic_crops(plan, 8, torch.device("cpu"), seed=i)
+            a = eager([c.clone() for c in crops], values, 1)
+            b = compiled([c.clone() for c in crops], values, 1)
             torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-6)
             for (name, p), q in zip(eager.raw_student.named_parameters(), compiled.raw_student.parameters()):
                 if p.grad is not None:
@@ -284,10 +287,10 @@ def test_the_graphed_steps_arithmetic_with_compiled_head_and_loss_equals_eager_s
     with torch.compiler.set_stance("default", force_backend="aot_eager"):
         eager, graphed, plan = twins(True, graphed=True)
         buffer = graphed.loss_fn.center.data_ptr()
-        for i, (lr, wd, m, temp) in enumerate(SCHEDULE):
-            crops = R.synthetic_crops(plan, 8, torch.device("cpu"), seed=i)
-            a = eager([c.clone() for c in crops], lr, wd, m, temp, 1)
-            b = graphed([c.clone() for c in crops], lr, wd, m, temp, 1)
+        for i, values in enumerate(SCHEDULE):
+            crops = kit.synthetic_crops(plan, 8, torch.device("cpu"), seed=i)
+            a = eager([c.clone() for c in crops], values, 1)
+            b = graphed([c.clone() for c in crops], values, 1)
             torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(b[2], a[2], rtol=1e-5, atol=1e-7)        # the center each step used
         assert graphed.loss_fn.center.data_ptr() == buffer
@@ -296,12 +299,12 @@ def test_the_graphed_steps_arithmetic_with_compiled_head_and_loss_equals_eager_s
 
 
 def test_head_cost_times_each_precision_side_by_side(tmp_path, capsys):
-    """bench/head_cost.py's plumbing on a CPU (eager: compiling costs minutes here): a line per
+    """tools/bench/head_cost.py's plumbing on a CPU (eager: compiling costs minutes here): a line per
     precision from the same weights and drop-path draws (tf32 is fp32 on a CPU: the same first
     loss; bf16 another), and its one-line refusal of a precision the key does not take."""
     import json
 
-    from resmlp.bench import head_cost
+    from bench import head_cost
     tiny = ["model.dim=16", "model.depth=2", "batch_size=2", "dino.out_dim=64", "dino.hidden_dim=32",
             "dino.bottleneck_dim=16", "device=cpu"]
     out = tmp_path / "head.json"

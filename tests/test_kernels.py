@@ -27,10 +27,10 @@ from test_models import randomize
 from test_token_major import compiled_is_eager, fused_key_reaches_the_builder, multicrop_nets_agree
 
 from resmlp.core import cli
-from resmlp.core.config import load_config
 from resmlp.core.errors import UserError
 from resmlp.models import create_model
 from resmlp.models.from_config import build_model
+from resmlp.models.fused import FusedOptions
 from resmlp.models.resmlp import FusedResMLPBlock, ResMLPBlock
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -144,7 +144,8 @@ def kernel_twins(norm: str, cross_patch: str, grid_adapt: str, token_major: bool
     """A plain block and a fused one with the kernels, the same parameters, built at 224 px."""
     args = (DIM, BUILT, 4.0, 0.1, 0.5, norm, cross_patch, grid_adapt)
     plain = randomize(ResMLPBlock(*args), seed=1).to(DEVICE)
-    fused = FusedResMLPBlock(*args, token_major=token_major, kernels="triton", residual_dtype=residual_dtype).to(DEVICE)
+    options = FusedOptions(token_major=token_major, kernels="triton", residual_dtype=residual_dtype)
+    fused = FusedResMLPBlock(*args, options=options).to(DEVICE)
     fused.load_state_dict(plain.state_dict())
     return plain, fused
 
@@ -203,7 +204,7 @@ def triton_models(**kw):
 @pytest.mark.parametrize("token_major", [False, True], ids=["BND", "NBD"])
 def test_a_triton_resmlp_is_the_plain_one(size, grid_adapt, token_major):
     plain, fused = triton_models(drop_path_rate=0.3, grid_adapt=grid_adapt, token_major=token_major)
-    assert all(b.kernels == "triton" for b in fused.blocks) and "Triton kernels" in repr(fused)
+    assert all(b.options.kernels == "triton" for b in fused.blocks) and "Triton kernels" in repr(fused)
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     worst, errs = compare(plain, fused, lambda net, t: net(t), x)
     assert worst <= FP32_TOL, errs
@@ -256,7 +257,7 @@ def test_a_compiled_triton_step_is_the_eager_one():
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETER, reason="CUDA graphs need a GPU")
 def test_the_kernels_run_inside_a_cuda_graph():
-    """The DINO step's whole-step capture (ssl/graphs.py) replays the kernels: a graphed
+    """The DINO step's whole-step capture (ssl/graphed_step.py) replays the kernels: a graphed
     forward and backward give the plain model's output and gradients."""
     plain, fused = triton_models(grid_adapt="subgrid", token_major=True)
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -297,18 +298,18 @@ def test_the_bench_measures_the_kernels_and_max_autotune_as_levers(monkeypatch):
     all together; max-autotune only where the blocks compile, in Inductor's max-autotune mode."""
     import torch._inductor.config as inductor
 
-    import resmlp.bench.rows as R
-    from resmlp.bench.bench import Context
-    p = load_config("bench", "resmlp_s12", ["bench.profile=tiny", "bench.tiny.levers=[token-major,triton,bf16-residual,max-autotune]",
-                                            "bench.tiny.strategies=[subgrid]", "bench.tiny.compile=[false,true]",
-                                            "bench.tiny.graphs=[eager,compile]", "bench.tiny.fused=[true]",
-                                            "bench.tiny.interleave=false"]).bench.tiny
+    from bench import dino as D
+    from bench.bench import Context
+    from bench.config import bench_profile
+    p = bench_profile("tiny", ["bench.tiny.levers=[token-major,triton,bf16-residual,max-autotune]",
+                               "bench.tiny.strategies=[subgrid]", "bench.tiny.compile=[false,true]",
+                               "bench.tiny.graphs=[eager,compile]", "bench.tiny.fused=[true]", "bench.tiny.interleave=false"])
     modes = []
-    monkeypatch.setattr(R, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False,
-                        lever=None: modes.append((lever, R.lever_overrides(lever))) or {"images_per_s": 1.0})
-    monkeypatch.setattr(R, "_dino_reference", lambda *a: {"images_per_s": 1.0})
+    monkeypatch.setattr(D, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False,
+                        lever=None: modes.append((lever, D.lever_overrides(lever))) or {"images_per_s": 1.0})
+    monkeypatch.setattr(D, "_dino_reference", lambda *a: {"images_per_s": 1.0})
     ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
-    R.dino_family(ctx)
+    D.dino_family(ctx)
     kinds = ("eager", "compile", "eager+graphs", "compile+graphs")
     want = [*(f"ours fused {lever}{k}" for lever in ("", "token-major ", "triton ", "bf16-residual ") for k in kinds),
             "ours fused max-autotune compile", "ours fused max-autotune compile+graphs",
@@ -317,8 +318,8 @@ def test_the_bench_measures_the_kernels_and_max_autotune_as_levers(monkeypatch):
     assert ("token-major+triton+bf16-residual",
             ["model.token_major=true", "model.kernels=triton", "model.residual_dtype=bf16"]) in modes
     assert not inductor.max_autotune
-    with R.inductor_mode("max-autotune"):
+    with D.inductor_mode("max-autotune"):
         assert inductor.max_autotune and not inductor.triton.cudagraphs
-    with R.inductor_mode("triton"):
+    with D.inductor_mode("triton"):
         assert not inductor.max_autotune
     assert not inductor.max_autotune

@@ -185,25 +185,33 @@ def test_the_gpus_half_precision_candidate_pass_keeps_the_neighbours_exact(monke
     assert not torch.equal(knn_search(ties, queries, 20, backend="torch", device="cpu")[1], want_ties[1])
 
 
-def test_the_phase_clock_times_every_tile_and_round_and_changes_nothing(monkeypatch):
-    """bench/profile.py's k-NN phases: with a PhaseClock installed (knn_search.timed_phases)
-    every tile's matmul and its block maxima are spans, and so is each chunk's choice of
-    blocks and their recomputation; each round is noted with its queries and candidates
+def spans_of(fn):
+    """(fn()'s result, {span: calls}, [each round's facts]): eval/knn_search.py's spans and
+    round marks in a torch.profiler trace of fn() on the host (tools/bench/knn.py sums them)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    calls = Counter(e.name[len(S.SPANS):] for e in events if e.name.startswith(S.SPANS))
+    return out, calls, [S.round_of(e.name) for e in events if S.round_of(e.name) is not None]
+
+
+def test_the_spans_time_every_tile_and_round_and_change_nothing(monkeypatch):
+    """The search's phases as torch.profiler spans (what tools/bench/profile.py's k-NN phases
+    read): every tile's matmul and its block maxima are spans, and so is each chunk's choice
+    of blocks and their recomputation; each round is marked with its queries and candidates
     (near ties under float16: a wider round, whose candidates outnumber the blocks: whole
-    rows), the vote is a span, and the scores are those of a call without the clock; none
-    is left installed after it."""
-    from resmlp.bench.timing import PhaseClock
+    rows), the vote is a span, and the scores are those of a call without a profile."""
     ties, queries = near_tie_features()
     n = len(ties)
     labels = torch.arange(n) % 7
     monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
     monkeypatch.setattr(S._TorchSearch, "tile", lambda self, kc: (5, 700))
     want = knn_classify(ties, labels, queries, 7, k=20, backend="torch", device="cpu")
-    clock = PhaseClock(torch.device("cpu"))
-    with S.timed_phases(clock):
-        got = knn_classify(ties, labels, queries, 7, k=20, backend="torch", device="cpu")
-    assert S._clock is None and torch.equal(got, want)
-    rounds, spans = clock.notes, clock.read()
+    got, spans, rounds = spans_of(lambda: knn_classify(ties, labels, queries, 7, k=20, backend="torch", device="cpu"))
+    assert torch.equal(got, want)
     assert rounds[0]["queries"] == len(queries) and len(rounds) >= 2
     assert all(b["candidates"] == min(n, 4 * a["candidates"]) and b["queries"] <= a["queries"]
                for a, b in zip(rounds, rounds[1:]))
@@ -213,15 +221,15 @@ def test_the_phase_clock_times_every_tile_and_round_and_changes_nothing(monkeypa
     pruned = [c for c, r in zip(calls, searched) if n // 64 > r["candidates"]]
     assert pruned and sum(pruned) < sum(calls)                               # both kinds of pass ran
     tiles = math.ceil(n / 640)                                               # 700 columns: 10 whole blocks
-    assert spans["pass: matmul"]["calls"] == sum(pruned) * tiles + sum(calls) - sum(pruned)
-    assert spans["pass: block maxima, merge"]["calls"] == spans["pass: matmul"]["calls"] + sum(calls)  # + the ceiling
-    assert spans["pass: best blocks, recompute"]["calls"] == sum(pruned)
-    assert spans["queries: norms, unit rows"]["calls"] == sum(calls)
-    assert spans["re-rank"]["calls"] == spans["check, scatter"]["calls"] == chunks
-    assert spans["round's count (host sync)"]["calls"] == len(rounds)
+    assert spans["pass: matmul"] == sum(pruned) * tiles + sum(calls) - sum(pruned)
+    assert spans["pass: block maxima, merge"] == spans["pass: matmul"] + sum(calls)  # + the ceiling
+    assert spans["pass: best blocks, recompute"] == sum(pruned)
+    assert spans["queries: norms, unit rows"] == sum(calls)
+    assert spans["re-rank"] == spans["check, scatter"] == chunks
+    assert spans["round's count (host sync)"] == len(rounds)
     for name in ("inputs: copy, checks", "bank: norms, unit rows", "copy back", "vote"):
-        assert spans[name]["calls"] == 1, name
-    assert all(v["device_ms"] == v["host_ms"] >= 0 for v in spans.values())   # a CPU: the host's clock
+        assert spans[name] == 1, name
+    assert S.round_of("knn_search: re-rank") is None
 
 
 def bound_holds(dtype, device):
@@ -745,13 +753,11 @@ def gpu_scale_check(monkeypatch, device: str, n: int = 60_000, d: int = 384, bud
     assert any(blocks > k and where == torch.device(device).type for blocks, k, where in seen)  # block maxima
     assert torch.equal(got_i, want_i)
     torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-12)
-    from resmlp.bench.timing import PhaseClock
-    clock = PhaseClock(torch.device(device))   # bench/profile.py's phases: no host sync added, the same answer
-    with S.timed_phases(clock):
-        timed = knn_search(xtr.to(device), xte.to(device), 20, backend="torch", device=device)
+    # profiled by phase (tools/bench/profile.py's k-NN phases): no host sync added, the same answer
+    timed, spans, _ = spans_of(lambda: knn_search(xtr.to(device), xte.to(device), 20, backend="torch", device=device))
     assert not syncs, syncs[:3]
     assert torch.equal(timed[1], got_i) and torch.equal(timed[0], got_s)
-    assert clock.read()["pass: best blocks, recompute"]["calls"] == len(seen) // 2 > 0   # seen: both searches' chunks
+    assert spans["pass: best blocks, recompute"] == len(seen) // 2 > 0   # seen: both searches' chunks
 
     tr, te = (torch.from_numpy(x) for x in collapsed_features(n, 64, d))
     want_s, want_i = knn_search(tr, te, 20, backend="torch", device="cpu", budget=budget)
@@ -784,10 +790,13 @@ def test_the_gpu_search_at_scale_uses_block_maxima_and_stays_within_budget(monke
 def test_the_gpu_scale_check_runs_on_the_cpu(monkeypatch):
     """The CUDA test's body at a size the CPU takes (its own check of the test), one
     thread: the tiles are small, and a busy machine's thread handoffs would cost more."""
-    from resmlp.bench.timing import threads
     monkeypatch.setitem(S._TorchSearch.DTYPES, "cpu", torch.float16)
-    with threads(1):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         gpu_scale_check(monkeypatch, "cpu", n=12_000, d=48, budget=2**20)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- few labels

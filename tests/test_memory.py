@@ -130,7 +130,8 @@ def test_a_stop_signal_ends_an_extraction_at_the_next_batch_and_the_run_keeps_it
             return tiny_features(x)
 
     saved = []
-    run = SimpleNamespace(cfg=OmegaConf.create({"epochs": 1, "log_every": 50, "ckpt_every": 0, "eval_every": 0}),
+    run = SimpleNamespace(cfg=OmegaConf.create({"epochs": 1, "log_every": 50, "log_every_s": 0, "ckpt_every": 0,
+                                                "ckpt_epochs": 1, "eval_every": 0}),
                           started=0.0, dir=tmp_path, memory_mb=dict, save=lambda state: saved.append(state["iteration"]))
     with preempt.watch():
         cadence = Cadence(run, iterations_per_epoch=10, start_it=0, results={}, state={})

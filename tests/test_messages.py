@@ -21,7 +21,7 @@ TINY_DINO = ["demo=false", "model.dim=16", "model.depth=2", "data.img_size=32", 
 def folders(tmp_path_factory) -> dict:
     """An unlabeled folder (images at two depths), a labeled one (train/ and val/ class
     folders) and a text file listing the unlabeled images."""
-    from resmlp.bench.jpegs import make_jpeg_folder
+    from kit import make_jpeg_folder
     root = tmp_path_factory.mktemp("messages")
     make_jpeg_folder(str(root / "labeled"), 8, 36, 48, classes=2)
     unlabeled = root / "photos"

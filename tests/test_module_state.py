@@ -11,8 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from kit import PRODUCT
+
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("core", "models", "data", "ssl", "eval", "supervised", "bench")
+PACKAGES = PRODUCT
 SCANNED = (*PACKAGES, "studies", "tools")
 
 

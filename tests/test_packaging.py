@@ -10,6 +10,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from kit import PRODUCT
+
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,18 +82,51 @@ def test_every_config_yaml_is_package_data_of_a_declared_package():
 
 
 def test_the_measurement_harness_is_not_in_the_package():
-    """tools/ (the campaign, its YAML and README) is a tool of this repository: no package's
-    folder holds it, and no YAML the wheel carries (configs/) configures it."""
+    """tools/ (the bench and the campaign, their YAML and notes) holds tools of this repository:
+    no package's folder holds it, and no YAML the wheel carries (configs/) configures it. The
+    package's folders are the tests' PRODUCT."""
     tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     tools = (REPO / "tools").resolve()
-    assert (tools / "campaign" / "campaign.yaml").is_file()
+    assert (tools / "campaign" / "campaign.yaml").is_file() and (tools / "bench" / "bench.yaml").is_file()
+    assert {f for f in tool["package-dir"].values() if f != "configs"} == set(PRODUCT) | {"models/kernels"}
     for folder in tool["package-dir"].values():
         d = (REPO / folder).resolve()
         assert d != tools and d not in tools.parents and tools not in d.parents, folder
     carried = sorted((REPO / "configs").rglob("*.yaml"))
-    assert carried and not [p for p in carried if "campaign" in (yaml_keys(p))], "a configs/ YAML holds campaign keys"
+    assert carried and not [p for p in carried if {"campaign", "bench", "profile"} & yaml_keys(p)], \
+        "a configs/ YAML holds a tool's keys"
 
 
 def yaml_keys(path: Path) -> set:
     import yaml
     return set(yaml.safe_load(path.read_text()) or {})
+
+
+def test_a_built_wheel_holds_the_package_and_no_tool(tmp_path):
+    """The wheel `pip install .` installs, built from a copy of the repository's package folders,
+    configs and tools: every file is under resmlp/<a package folder> or its metadata, no module
+    of the bench or the campaign, and every YAML of configs/ is in it."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    pytest.importorskip("setuptools", minversion="70.1")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for folder in (*PRODUCT, "configs", "tools"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[1] for n in names if n.startswith("resmlp/")}
+    assert tops == {*PRODUCT, "configs"}, tops
+    assert all(n.startswith("resmlp/") or ".dist-info/" in n for n in names), names
+    assert not [n for n in names if "bench" in n.split("/") or "campaign" in n.split("/")
+                or n.rsplit("/", 1)[-1] in ("bench.yaml", "profile.yaml", "campaign.yaml")]
+    yamls = {f"resmlp/configs/{p.relative_to(REPO / 'configs')}" for p in (REPO / "configs").rglob("*.yaml")}
+    assert yamls <= set(names)

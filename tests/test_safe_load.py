@@ -25,6 +25,7 @@ from resmlp.core.checkpoint import (SAFE_GLOBALS, TRUST_KEY, UnsafeFile, load_ch
 from resmlp.core.cli import main
 from resmlp.core.config import load_config, save_config
 
+from kit import PRODUCT
 from test_dino import needs_fmnist
 from test_dino_init import timm_file
 from test_folder import labeled
@@ -32,7 +33,7 @@ from test_inputs import one_line_error
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "dino_c11c829"
-PACKAGE = ("core", "models", "data", "ssl", "eval", "supervised", "bench", "tools", "studies")
+PACKAGE = (*PRODUCT, "tools", "studies")
 SYSTEM = f"{os.system.__module__}.{os.system.__name__}"   # what a pickle names os.system by (posix.system)
 
 LAB = ["data=imagefolder", "data.img_size=16", "data.crop_ratio=1.0"]
@@ -104,6 +105,7 @@ def world(tmp_path, monkeypatch):
 
 COMMANDS = {
     "knn": ["knn", "{evil}", *LAB, "data.root={lab}"],
+    "embed": ["embed", "{evil}", *LAB, "data.root={lab}"],
     "linear": ["linear", "{evil}", *LAB, "data.root={lab}"],
     "viz": ["viz", "{evil}", *LAB, "data.root={lab}"],
     "export": ["export", "{evil}"],
@@ -268,11 +270,36 @@ def test_a_safetensors_file_is_taken_as_dino_init_and_as_a_teacher(tmp_path):
         assert name == "test_vit" and torch.equal(teacher(x), classifier(x))
 
 
+def test_a_safetensors_file_that_cannot_be_read_is_one_line(world, capsys):
+    """A .safetensors file cut short, or whose header is not JSON: not a checkpoint, named,
+    exit 2, nothing made."""
+    from safetensors.torch import save_file
+    whole = world["tmp"] / "whole.safetensors"
+    save_file({"w": torch.zeros(64, 64)}, str(whole))
+    data = whole.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    for name, broken in (("short", data[:8 + header + 100]), ("header", data[:9] + b"x" * (header - 1) + data[8 + header:])):
+        path = world["tmp"] / f"{name}.safetensors"
+        path.write_bytes(broken)
+        before = tree(world["tmp"])
+        out = world["tmp"] / "out"
+        assert main(["export", str(path), f"out={out}"]) == 2
+        line = one_line_error(capsys)
+        assert f"{path} is not a checkpoint: safetensors cannot read it" in line, line
+        assert not out.exists() and tree(world["tmp"]) == before
+
+
 def test_the_loaders_allow_one_class_beyond_numpys(tmp_path):
-    """argparse.Namespace (DINO's and DeiT's args) is the one class besides the numpy types of
-    this project's older checkpoints; a subclass of it, or any other class, is refused."""
-    assert [g for g in SAFE_GLOBALS if not isinstance(g, tuple) and not g.__module__.startswith("numpy")] == \
-        [argparse.Namespace]
+    """argparse.Namespace (DINO's and DeiT's args) is the one class besides the stand-ins
+    registered under the numpy names of this project's older checkpoints (core.checkpoint's
+    own: numpy's ndarray and dtype are never called, issue 50); a subclass of it, or any
+    other class, is refused."""
+    assert [g for g in SAFE_GLOBALS if not isinstance(g, tuple)] == [argparse.Namespace]
+    stand_ins = [g for g in SAFE_GLOBALS if isinstance(g, tuple)]
+    assert {name for _, name in stand_ins} == {"numpy.dtype", "numpy.ndarray",
+                                               *(f"numpy.{c}.multiarray.{f}" for c in ("_core", "core")
+                                                 for f in ("_reconstruct", "scalar"))}
+    assert all(f.__module__ == "resmlp.core.checkpoint" for f, _ in stand_ins)
 
     torch.save({"args": OwnArgs(lr=1.0)}, tmp_path / "sub.pth")
     with pytest.raises(UnsafeFile, match=f"would call {__name__}.OwnArgs "):
@@ -341,7 +368,8 @@ def test_the_checkpoints_of_each_trainer_load_weights_only(tmp_path):
 # ---- the checkpoints this project's code wrote before ---------------------------------------------------
 
 def test_the_fixture_is_what_the_older_code_wrote():
-    """The fixture needs the numpy types SAFE_GLOBALS allows, and only those (so it tests them)."""
+    """The fixture needs the numpy names SAFE_GLOBALS allows, and only those (so it tests
+    them); it loads without weights_trust."""
     for name in ("checkpoint.pth", "checkpoint_prev.pth"):
         with pytest.raises(Exception, match="numpy"):
             weights_only(FIXTURE / name)
@@ -457,3 +485,92 @@ def test_no_module_loads_a_file_but_the_one_loader():
              for path in sorted((ROOT / folder).rglob("*.py"))
              for _, function in loads_without_weights_only(path.read_text())]
     assert found == [("core/checkpoint.py", "read_file")], found
+
+
+# ---- one loader: every way of reading a pickle, and the compile cache ----------------------------------
+
+# Where each way of turning a file's bytes into objects may be called (issue 50): torch.load by
+# the one loader, torch's compile-cache artifacts by the compile cache; a pickle, np.load with
+# allow_pickle or a YAML loader that builds objects nowhere.
+LOAD_HOMES = {"torch.load": {"core/checkpoint.py"}, "load_cache_artifacts": {"core/compile_cache.py"},
+              "pickle": set(), "np.load(allow_pickle)": set(), "yaml.load": set()}
+_PICKLES = {f"{m}.{f}" for m in ("pickle", "_pickle", "cPickle", "dill") for f in ("load", "loads", "Unpickler")}
+_UNSAFE_YAML = {f"yaml.{f}" for f in ("unsafe_load", "full_load", "unsafe_load_all", "full_load_all")}
+
+
+def loads_of_files(source: str) -> list[tuple[int, str]]:
+    """(line, kind) of each call in `source` that turns bytes into objects (LOAD_HOMES'
+    kinds), under any name its module is imported as."""
+    tree = ast.parse(source)
+    alias, safe_names = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                alias[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in tree.body:   # a module's own name for a safe YAML loader (core/config.py's _YAML_LOADER)
+        if isinstance(node, ast.Assign) and "SafeLoader" in ast.unparse(node.value):
+            safe_names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+
+    def canonical(f) -> str:
+        text = ast.unparse(f)
+        head, _, rest = text.partition(".")
+        return f"{alias.get(head, head)}{'.' + rest if rest else ''}"
+
+    def kind(call: ast.Call) -> str | None:
+        name = canonical(call.func)
+        arg = lambda k, i: next((kw.value for kw in call.keywords if kw.arg == k),  # noqa: E731
+                                call.args[i] if len(call.args) > i else None)
+        if name in ("torch.load", "torch.serialization.load"):
+            return "torch.load"
+        if name == "torch.compiler.load_cache_artifacts":
+            return "load_cache_artifacts"
+        if name in _PICKLES or name == "joblib.load":
+            return "pickle"
+        if name == "numpy.load":
+            flag = arg("allow_pickle", 2)
+            return None if flag is None or (isinstance(flag, ast.Constant) and flag.value is False) else \
+                "np.load(allow_pickle)"
+        if name in _UNSAFE_YAML:
+            return "yaml.load"
+        if name in ("yaml.load", "yaml.load_all"):
+            loader = arg("Loader", 1)
+            safe = loader is not None and ("SafeLoader" in ast.unparse(loader) or ast.unparse(loader) in safe_names)
+            return None if safe else "yaml.load"
+        return None
+
+    return sorted((node.lineno, k) for node in ast.walk(tree) if isinstance(node, ast.Call) and (k := kind(node)))
+
+
+def test_the_finder_sees_each_way_of_loading_a_file():
+    src = ("import pickle as pk\nimport numpy as np\nimport yaml\nimport torch\n"
+           "from torch.compiler import load_cache_artifacts as put\nfrom pickle import loads\nfrom torch import load\n"
+           "pk.load(f)\n"                                        # 8
+           "loads(b)\n"                                          # 9
+           "pk.Unpickler(f).load()\n"                            # 10
+           "np.load(p, allow_pickle=True)\n"                     # 11
+           "np.load(p)\n"                                        # safe: no pickle
+           "np.load(p, allow_pickle=False)\n"                    # safe
+           "yaml.load(f, Loader=yaml.Loader)\n"                  # 14
+           "yaml.unsafe_load(f)\n"                               # 15
+           "yaml.load(f, Loader=yaml.CSafeLoader)\n"             # safe
+           "yaml.safe_load(f)\n"                                 # safe
+           "torch.compiler.load_cache_artifacts(b)\n"            # 18
+           "put(b)\n"                                            # 19
+           "load(p, weights_only=True)\n"                        # 20
+           "torch.serialization.load(p)\n")                      # 21
+    assert loads_of_files(src) == [(8, "pickle"), (9, "pickle"), (10, "pickle"), (11, "np.load(allow_pickle)"),
+                                   (14, "yaml.load"), (15, "yaml.load"), (18, "load_cache_artifacts"),
+                                   (19, "load_cache_artifacts"), (20, "torch.load"), (21, "torch.load")]
+
+
+def test_every_file_is_loaded_by_the_one_loader_or_the_compile_cache():
+    """No module of the package, tools/ or studies/ unpickles, loads numpy's pickles, builds
+    objects from YAML, or puts back compiled artifacts, but core/checkpoint.py (torch.load)
+    and core/compile_cache.py (load_cache_artifacts)."""
+    found = {(str(path.relative_to(ROOT)), kind) for folder in PACKAGE for path in sorted((ROOT / folder).rglob("*.py"))
+             for _, kind in loads_of_files(path.read_text())}
+    assert {(f, k) for f, k in found if f not in LOAD_HOMES[k]} == set()
+    assert ("core/checkpoint.py", "torch.load") in found

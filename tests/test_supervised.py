@@ -278,11 +278,37 @@ FAKE = {  # structurally real results.json contents per command
                           "teacher": {"spec": "x", "model": "regnety_002", "top1": 84.5}},
     "dino": lambda s: {"command": "dino", "epochs": 1, "params": 29000, "knn_top1": 71.5, "knn_top5": 96.0,
                        "knn_k": 20, "knn_T": 0.07, "wall_time_s": 30.0, "device": "cpu (2 cores)"},
-    "linear": lambda s: {"command": "linear", "mode": "cached", "epochs": 1, "top1": 74.0, "top5": 97.0,
-                         "wall_time_s": 3.0, "device": "cpu (2 cores)"},
+    "linear": lambda s: {"command": "linear", "protocol": "lbfgs", "mode": "cached", "l2": 1e-5, "top1": 74.0,
+                         "top5": 97.0, "wall_time_s": 3.0, "device": "cpu (2 cores)"},
     "finetune": lambda s: {"command": "finetune", "epochs": 1, "params": 30000, "top1": 83.5, "top5": 99.25,
                            "wall_time_s": 10.0, "device": "cpu (2 cores)"},
 }
+
+
+def test_compare_keeps_what_the_linear_paths_protocol_chose(tmp_path, monkeypatch):
+    """The linear path's results.json: lbfgs's chosen L2 and no epochs (it has none), DINO's
+    protocol its epochs and best lr, as its linear.json says."""
+    import resmlp.eval.linear
+    from resmlp.supervised import compare
+    cfg = load_config("compare", "resmlp_s12", ["demo=false", "model.dim=32", "model.depth=2",
+                                                "compare.linear_mode=cached", f"out={tmp_path / 'cmp'}"])
+    step = next(s for s in compare.plan(cfg) if s.key == "linear")
+    sub = compare.sub_config(cfg, step)
+    wrote = {}
+
+    def probe(_cfg):   # the linear command's file, as it writes it
+        step.dir.mkdir(parents=True, exist_ok=True)
+        (step.dir / "linear.json").write_text(json.dumps(wrote))
+    monkeypatch.setattr(resmlp.eval.linear, "run", probe)
+    monkeypatch.setattr(compare, "record_inputs", lambda *a: None)   # no DINO run here to name
+    wrote.update(protocol="lbfgs", l2=3e-5, top1=70.0, top5=95.0)
+    res = compare.run_step(step, sub)
+    assert (res["protocol"], res["mode"], res["l2"], res["top1"]) == ("lbfgs", "cached", 3e-5, 70.0)
+    assert "epochs" not in res and "lr" not in res
+    assert json.loads((step.dir / "results.json").read_text()) == res
+    wrote.update(protocol="dino", lr=1e-3)
+    res = compare.run_step(step, sub)
+    assert (res["protocol"], res["epochs"], res["lr"]) == ("dino", 100, 1e-3) and "l2" not in res
 
 
 def test_compare_builds_its_table_from_finished_runs(tmp_path, monkeypatch, capsys):
@@ -320,10 +346,17 @@ def test_compare_builds_its_table_from_finished_runs(tmp_path, monkeypatch, caps
     assert "| supervised, from scratch | 0.03 | 1 | 81.25 | 98.50 | 12 s | cpu (2 cores) | 76.6 |" in md
     assert "distillation (hard, teacher regnety_002, 84.5% top-1)" in md and "82.75" in md
     assert "k-NN (k=20, T=0.07) | 0.03 | 1 | 71.50" in md
-    assert "linear probe (cached) | 0.03 | 1 + 1 | 74.00" in md and "33 s (incl. DINO)" in md
+    # the probe says what ran: lbfgs names the L2 it chose and has no epochs of its own
+    assert "linear probe (lbfgs on cached features, L2 1e-05) | 0.03 | 1 | 74.00" in md and "33 s (incl. DINO)" in md
     assert "fine-tuning | 0.03 | 1 + 1 | 83.50 | 99.25 | 40 s (incl. DINO)" in md
     data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert [r["path"] for r in data["rows"]] == list(compare.PATHS)
+    # DINO's protocol: its epochs after DINO's (a run from before linear.protocol ran it too)
+    dino_probe = {**data["runs"], "linear": {"protocol": "dino", "mode": "augmented", "epochs": 100, "top1": 70.0}}
+    older = {**data["runs"], "linear": {"mode": "cached", "epochs": 100, "top1": 70.0}}
+    for runs, label in ((dino_probe, "DINO's protocol, augmented"), (older, "DINO's protocol, cached")):
+        row = compare.rows(cfg, runs)[3]
+        assert (row["label"], row["epochs"]) == (f"pre-trained SSL (DINO) + linear probe ({label})", "1 + 100")
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
 
     # another budget for a finished run: refused, naming the difference

@@ -140,13 +140,13 @@ def test_a_compiled_token_major_step_is_the_eager_one():
 
 
 def fused_key_reaches_the_builder(tmp_path, capsys, key: str, value: str, want, default, bad: str) -> None:
-    """model.<key>, an option of the fused blocks: unset, each block has the attribute `key` at
-    `default`; model.<key>=<value>, at `want`; a word not in its limits, or the key with
+    """model.<key>, an option of the fused blocks: unset, each block's options (FusedOptions)
+    hold `key` at `default`; model.<key>=<value>, at `want`; a word not in its limits, or the key with
     model.fused=false: one line (naming the key and what to write) and no run dir."""
     over = ['model.dim=16', 'model.depth=1', 'data.img_size=32', 'model.patch_size=8']
     for given, want in ((None, default), (value, want)):
         cfg = load_config('dino', 'resmlp_s12', over + ([f'model.{key}={given}'] if given else []))
-        assert getattr(build_model(cfg.model, num_classes=3).blocks[0], key) == want
+        assert getattr(build_model(cfg.model, num_classes=3).blocks[0].options, key) == want
     for args, words in (([f'model.{key}={bad}'], [f'model.{key}']),
                         ([f'model.{key}={value}', 'model.fused=false'], [f'model.{key}', 'model.fused=true'])):
         assert cli.main(['dino', 'resmlp_s12', *args, f'out={tmp_path / "run"}']) == 2
@@ -166,32 +166,33 @@ def test_the_bench_measures_each_lever_beside_the_fused_block(monkeypatch):
     """bench.<profile>.levers: each lever a line of the fused block of its own ("ours fused
     token-major ..."), eager, compiled and graphed, built with its model override; with
     interleave, its eager line timed with the fused block's, whose rate it is given over."""
-    import resmlp.bench.rows as R
-    from resmlp.bench.bench import Context
-    from resmlp.core.config import load_config as load
-    over = ["bench.profile=tiny", "bench.tiny.levers=[token-major]", "bench.tiny.strategies=[subgrid]"]
-    p = load("bench", "resmlp_s12", [*over, "bench.tiny.compile=[false,true]", "bench.tiny.graphs=[eager,compile]",
-                                     "bench.tiny.interleave=false"]).bench.tiny
+    from bench import dino as D
+    from bench.bench import Context
+    from bench.config import bench_profile
+    from bench.step import step_flops
+    over = ["bench.tiny.levers=[token-major]", "bench.tiny.strategies=[subgrid]"]
+    p = bench_profile("tiny", [*over, "bench.tiny.compile=[false,true]", "bench.tiny.graphs=[eager,compile]",
+                               "bench.tiny.interleave=false"])
     built = []
-    monkeypatch.setattr(R, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False,
+    monkeypatch.setattr(D, "_dino_ours", lambda ctx, model, strategy, batch, comp, flops, graphs=False, fused=False,
                         lever=None: built.append((bool(comp), graphs, fused, lever)) or {"images_per_s": 1.0})
-    monkeypatch.setattr(R, "_dino_reference", lambda *a: {"images_per_s": 1.0})
+    monkeypatch.setattr(D, "_dino_reference", lambda *a: {"images_per_s": 1.0})
     ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
-    R.dino_family(ctx)
+    D.dino_family(ctx)
     kinds = ("eager", "compile", "eager+graphs", "compile+graphs")
     assert [r["impl"] for r in ctx.results] == [*(f"ours {k}" for k in kinds), *(f"ours fused {k}" for k in kinds),
                                                 *(f"ours fused token-major {k}" for k in kinds), "reference"]
     assert built[-4:] == [(False, False, True, "token-major"), (True, False, True, "token-major"),
                           (False, True, True, "token-major"), (True, True, True, "token-major")]
-    cfg, _, crops = R._step_inputs(Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False), "resmlp_s12",
+    cfg, _, crops = D._step_inputs(Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False), "resmlp_s12",
                                    "subgrid", 4, fused=True, lever="token-major")
     assert cfg.model.token_major and cfg.model.fused
-    assert R._count_flops(cfg, torch.device("cpu"), "fp32", crops) > 0  # of the plain blocks, whatever the line's
+    assert step_flops(cfg, torch.device("cpu"), "fp32", crops) > 0  # of the plain blocks, whatever the line's
     # interleaved, as the cpu profile times it: the real steps, one timing for all
     monkeypatch.undo()
-    p = load("bench", "resmlp_s12", over).bench.tiny
+    p = bench_profile("tiny", over)
     ctx = Context(torch.device("cpu"), "tiny", p, ["resmlp_s12"], False)
-    R.dino_family(ctx)
+    D.dino_family(ctx)
     rows = {r["impl"]: r for r in ctx.results}
     assert set(rows) == {"ours eager", "ours fused eager", "ours fused token-major eager", "reference"}
     assert all(r["status"] == "ok" and r["interleaved"] for r in rows.values()), rows

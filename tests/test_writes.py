@@ -88,10 +88,13 @@ def test_outputs_inside_data_root_are_refused_before_anything_is_made(tiny_run, 
     assert main(["knn", str(tiny_run / "dino"), *data, f"features.cache_dir={folder / 'train' / 'cache'}",
                  f"out={tmp_path / 'knn'}"]) == 2
     assert "features.cache_dir=" in one_line_error(capsys)
+    assert main(["dino", "resmlp_s12", *data, f"compile_cache_dir={folder / 'train' / 'compiled'}",
+                 f"out={tmp_path / 'dino'}"]) == 2
+    assert f"compile_cache_dir={folder / 'train' / 'compiled'} is inside data.root={folder}" in one_line_error(capsys)
     monkeypatch.chdir(folder)   # the default runs/<name> from a shell inside the data set
     assert main(["dino", "resmlp_s12", "data=imagefolder", "data.root=."]) == 2
     assert f"is inside data.root={folder}" in one_line_error(capsys)
-    assert listing(folder) == before and not (tmp_path / "knn").exists()
+    assert listing(folder) == before and not (tmp_path / "knn").exists() and not (tmp_path / "dino").exists()
     assert sorted(p.name for p in folder.iterdir()) == ["train", "val"]
 
 

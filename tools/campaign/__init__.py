@@ -1,7 +1,8 @@
 """The GPU campaign (`bash run.sh campaign`, tools/campaign/README.md): this project's
 whole measurement on a borrowed GPU machine, one resumable call after another. A tool for
 measuring the project, not a part of the installed package: run.sh puts tools/ on the
-import path and runs `python -m campaign`; the stages it runs are the package's commands.
+import path and runs `python -m campaign`; the stages it runs are the package's commands
+and the bench's (tools/bench).
 
   call.py      one call: the stages under the call's deadline and the window's, the report
   config.py    the campaign's keys: campaign.yaml beside it, through the package's loader
@@ -14,4 +15,6 @@ import path and runs `python -m campaign`; the stages it runs are the package's 
   state.py     what a call keeps for the next one on the same machine (campaign.json)
   report.py    what the report folder holds, and a fresh machine's start from a carried one
   folder.py    writing that folder within what a lent machine hands back
+  setup.sh     a bare machine's set-up before any Python runs (run.sh's campaign case sources it)
+  carry.sh     what such a machine needs, made here (`bash run.sh campaign-carry`)
 """

@@ -6,7 +6,7 @@ under a time limit that leaves its stop signal for the line in flight, and a lin
 measured is not measured again by the other. Its figures count the shared bench.json's lines
 and, for what the stage is about (`shows`), pick some out: each lever line beside the fused
 block's and the reference loop's, the k-NN lines beside their baseline's. A profile stage
-runs bench/profile.py on one step; its profile.json (every kernel kept, by class, the numbers short) goes into its state
+runs tools/bench/profile.py on one step; its profile.json (every kernel kept, by class, the numbers short) goes into its state
 (so into summary.json: the report has no room for another file).
 """
 from __future__ import annotations
@@ -84,14 +84,21 @@ class BenchStage(Stage):
                          + ("" if r.get("baseline_seconds") is None else
                             f" ({Path(str(r['baseline'])).name}: {r['baseline_seconds']:.3f} s, ours "
                             f"{r['vs_baseline']:.2f}x, {'the same' if r['same_as_baseline'] else 'other'} votes)"))
+        for r in f.get("linear", []):
+            parts.append(f"linear {r['protocol']} on {r['n_train']} x {r['dim']}, {r['classes']} classes: "
+                         + (f"{r['seconds']:.1f} s ({r['l2s']} L2s {r['selection_s']:.1f} s, the refit "
+                            f"{r['refit_s']:.1f} s; {r['passes']} passes), L2 {r['l2']:g}, top-1 {r['top1']:.2f}"
+                            if r["protocol"] == "lbfgs" else
+                            f"{r['seconds_full']:.1f} s for all epochs ({r['epoch_s']:.2f} s each)")
+                         + ("" if r.get("mem_gb") is None else f", {r['mem_gb']:.2f} GB"))
         return parts
 
 
-FUSED = "ours fused "     # bench/rows.py's impl of a fused block's line: "ours fused [<lever> ]<kind>"
+FUSED = "ours fused "     # tools/bench/dino.py's impl of a fused block's line: "ours fused [<lever> ]<kind>"
 
 
 def lever_figures(rows: list) -> list:
-    """Each lever line of the fused block (bench/rows.py LEVERS: "ours fused <lever> <kind>")
+    """Each lever line of the fused block (tools/bench/dino.py LEVERS: "ours fused <lever> <kind>")
     beside the fused block's line of the same kind and the reference loop's, at the same model,
     strategy and batch: img/s and their ratios, the share of the measured matmul rate, and the
     seconds of its first calls (a graphed line's: its compilation and capture)."""
@@ -116,16 +123,25 @@ def lever_figures(rows: list) -> list:
     return out
 
 
-def knn_figures(rows: list) -> list:
-    """The k-NN lines: seconds (for its queries, and scaled to all of them), and where a
-    baseline file ran beside (bench.<profile>.knn.baseline) its seconds for the same queries,
-    ours' speed over it and whether both voted alike."""
-    return [{k: r.get(k) for k in ("backend", "device", "n_train", "dim", "queries", "seconds", "seconds_full", "top1",
-                                   "baseline", "baseline_seconds", "vs_baseline", "same_as_baseline", "run")}
-            for r in rows if r["row"] == "knn"]
+def fields_of(row: str, *keys: str):
+    """The figures of a family's lines: these keys of each of its lines (None where it has none)."""
+    def figures(rows: list) -> list:
+        return [{k: r.get(k) for k in (*keys, "run")} for r in rows if r["row"] == row]
+    return figures
 
 
-SHOWS = {"levers": lever_figures, "knn": knn_figures}
+# The k-NN lines: seconds (for its queries, and scaled to all of them), and where a baseline
+# file ran beside (bench.<profile>.knn.baseline) its seconds for the same queries, ours' speed
+# over it and whether both voted alike.
+knn_figures = fields_of("knn", "backend", "device", "n_train", "dim", "queries", "seconds", "seconds_full", "top1",
+                        "baseline", "baseline_seconds", "vs_baseline", "same_as_baseline")
+# The linear probe's lines: each protocol's seconds (DINO's: for all its epochs, counted at its
+# last timed one's), the lbfgs line's selection and refit, passes, L2 chosen and top-1.
+linear_figures = fields_of("linear", "protocol", "device", "n_train", "dim", "classes", "seconds", "selection_s",
+                           "refit_s", "seconds_full", "epoch_s", "l2s", "iterations", "passes", "l2", "converged",
+                           "top1", "mem_gb")
+
+SHOWS = {"levers": lever_figures, "knn": knn_figures, "linear": linear_figures}
 
 
 @dataclass
@@ -159,7 +175,7 @@ class ProfileStage(Stage):
 
 
 def profile_figures(path: Path) -> dict | None:
-    """bench/profile.py's profile.json for the report: its config, the time of each phase,
+    """tools/bench/profile.py's profile.json for the report: its config, the time of each phase,
     the measured rates, the k-NN's figures where it ran, and per profiled step (or k-NN) the
     wall and busy time per call, the launches, the classes against their floors and every
     kernel the profile kept, with its class (names cut to NAME_CHARS)."""

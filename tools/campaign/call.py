@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.process import child_env
 from campaign import report as R
 from campaign import state as S
 from campaign.bench import BenchStage
@@ -199,7 +200,7 @@ class Campaign:
     def make_images(self) -> None:
         root = self.dir / "images"
         if not (root / "train").exists():
-            from resmlp.bench.jpegs import make_jpeg_folder
+            from bench.jpegs import make_jpeg_folder
             make_jpeg_folder(str(root), int(self.p["images"]), 36, 48)
             self.say(f"wrote {self.p['images']} synthetic JPEGs to {root} (the tiny profile's data)")
 
@@ -268,8 +269,9 @@ class Campaign:
         try:
             proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1",  # lines as they come
-                                         "COLUMNS": "400"})  # pytest cuts skip reasons at the width
+                                    # tools/ on the import path (the bench's stages), lines as they come,
+                                    # and wide: pytest cuts skip reasons at the width
+                                    env=child_env(PYTHONUNBUFFERED="1", COLUMNS="400"))
         finally:
             signal.signal(signal.SIGINT, interrupt)
         reader = threading.Thread(target=self._pump, args=(proc, stage), daemon=True)

@@ -1,5 +1,5 @@
-"""The campaign's stages that run one of the bench's cost scripts, `python -m
-resmlp.bench.<script> [its arguments] --json <the stage's folder>/<script>.json [dino
+"""The campaign's stages that run one of the bench's cost scripts (tools/bench), `python -m
+bench.<script> [its arguments] --json <the stage's folder>/<script>.json [dino
 overrides]`, which measures in its own process (and its children) and writes a list of
 results. What the report keeps of each result goes into the stage's state, by run (so into
 summary.json: the report has no room for another file). No torch import.

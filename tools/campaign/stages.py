@@ -6,9 +6,9 @@ back from a carried report and the figures it puts in the report:
 
   TestsStage     the CUDA-only tests, each test's result kept as it comes (tests.py)
   BenchStage     bench lines, kept one by one in a bench.json (bench.py)
-  ProfileStage   bench/profile.py on one step: time per phase, every kernel by class (bench.py)
-  CompileStage   bench/compile_cost.py's first iteration, cold then warm (costs.py)
-  HeadStage      bench/head_cost.py: the step per dino.head_precision (costs.py)
+  ProfileStage   tools/bench/profile.py on one step: time per phase, every kernel by class (bench.py)
+  CompileStage   tools/bench/compile_cost.py's first iteration, cold then warm (costs.py)
+  HeadStage      tools/bench/head_cost.py: the step per dino.head_precision (costs.py)
   TrainingStage  a DINO run to its last epoch, its time predicted before it starts; the
                  preset's PresetStage also decides on CUDA graphs (training.py)
 

@@ -1,5 +1,6 @@
 """The campaign's training stages: `dino resmlp_s12` to its last epoch (the preset), or the
-preset with other keys for a budget of stage time (compare). No torch import (except for
+preset with other keys for a budget of stage time (compare), and the default command for one
+short epoch with its resume, first of all (DefaultStage). No torch import (except for
 Fashion-MNIST's size).
 
 Under a window one starts only when its predicted time fits (predict.py).
@@ -13,8 +14,9 @@ campaign (PresetStage).
 from __future__ import annotations
 
 import json
+import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from campaign.predict import measured, predict, schedule, train_images
@@ -229,3 +231,95 @@ def graphs_decision(tests: TestsStage | None, graph_tests: str, preset_overrides
         return {"add": "dino.cuda_graphs=false", "why": f"with dino.cuda_graphs=false: {len(bad)} of the {ran} tests "
                                                         f"of {graph_tests} did not pass: {'; '.join(seen)[:200]}"}
     return {"add": None, "why": f"the default command: the {ran} tests of {graph_tests} passed"}
+
+
+# --------------------------------------------------------------------------- the default command
+
+START = re.compile(r"^\[starts\] start (\d+) of \d+: (.*)$")   # campaign/starts.py's MARK
+# The lines of a start the report keeps, by kind: its device and precision, the path its step
+# takes (and any fallback from it), its compile cache, a resume, warnings and errors: a user's
+# one line, or a traceback's last (an exception's name and message)
+LINES = {"device": r"device: ", "path": r"(path|compile off|graphs off): ", "compile_cache": r"compile cache: ",
+         "notes": r"resuming from |warning: |error: |[\w.]+(Error|Exception|Failed)(: |$)"}
+MAX_LINES = 12   # of a kind per start: a line repeated every epoch does not fill the report
+# what the report keeps of a start's results.json: its own timing (timing.starts' last), its peak
+# memory, and under "results" what the run chose and reached
+TIMING = ("at_iteration", "startup_s", "first_iteration_s")
+MEMORY = ("peak_mem_mb", "peak_reserved_mb")
+RESULTS = ("path", "precision", "device", "knn_top1", "train_images_per_s")
+
+
+@dataclass(kw_only=True)
+class DefaultStage(Stage):
+    """The default command, `dino resmlp_s12`, as a user types it (the campaign adds out= and
+    the short length): one epoch, then its resume for a second (campaign/starts.py: each start
+    with an empty Inductor cache, so the second compiles from what the first saved in its
+    compile cache, and captures its graph again). First in the order: a GPU window says in its
+    first minutes whether the default works. Per start the report keeps the lines it printed
+    about its device, its path, its compile cache (and a resume, warnings, errors) and, from
+    its results.json, its start-up and first iteration, peak memory, k-NN and path; in the
+    stage's state, since the run dir stays on the machine. Both starts run again at every
+    start of the stage (its min_start_s is their whole time)."""
+    starts: list = field(default_factory=list)  # per start: its command, the lines kept, its results' figures
+
+    KEPT = (*Stage.KEPT, "starts")
+
+    def launch(self, usable_s):
+        shutil.rmtree(self.dir, ignore_errors=True)   # the first start cold, a rerun's too
+        self.dir.mkdir(parents=True)
+        self.starts = []
+        return list(self.argv)
+
+    def heard(self, line):
+        m = START.match(line)
+        if m:
+            self.starts.append({"start": int(m.group(1)), "command": m.group(2), "lines": {}})
+            return True
+        kind = next((k for k, pattern in LINES.items() if re.match(pattern, line)), None)
+        if kind is None or not self.starts:
+            return False
+        kept = self.starts[-1]["lines"].setdefault(kind, [])
+        if len(kept) < MAX_LINES:
+            kept.append(line[:300])
+        return True
+
+    def classify(self, rc, stopped_by):
+        super().classify(rc, stopped_by)
+        errors = [(s["start"], line) for s in self.starts for line in s["lines"].get("notes", [])
+                  if not line.startswith(("resuming from ", "warning: "))]
+        if self.status == "failed" and errors:
+            self.note = f"start {errors[-1][0]} exit {rc}: {errors[-1][1]}"
+
+    def after_run(self, took_s):
+        self.starts = self.with_results()   # the run dir stays on this machine: the state keeps its figures
+
+    def with_results(self) -> list:
+        """Each start's entry with the figures of the results.json it left (starts.py --keep)."""
+        out = []
+        for entry in self.starts:
+            path = self.dir / f"start{entry['start']}_results.json"
+            if path.is_file():
+                r = json.loads(path.read_text())
+                timing = (r.get("timing") or {}).get("starts") or [{}]
+                entry = {**entry, **{k: timing[-1].get(k) for k in TIMING}, **{k: r.get(k) for k in MEMORY},
+                         "results": {k: r.get(k) for k in RESULTS}}
+            out.append(entry)
+        return out
+
+    def figures_from_files(self):
+        return {"starts": self.with_results()}
+
+    def parts(self):
+        parts, path = [], []
+        for s in self.figures.get("starts", []):
+            lines = s["lines"]
+            said = lines.get("path", [])[:1] if lines.get("path", [])[:1] != path else []   # the first, or another
+            path = lines.get("path", [])[:1]
+            if s.get("first_iteration_s") is not None:
+                said.append(f"first iteration {s['first_iteration_s']:.1f} s (start-up {s['startup_s']:.0f} s)")
+            if s.get("peak_mem_mb"):   # none on a CPU
+                said.append(f"peak {s['peak_mem_mb'] / 1024:.1f} GiB allocated, {s['peak_reserved_mb'] / 1024:.1f} "
+                            "reserved")
+            said += [line for line in lines.get("compile_cache", []) if " loaded " in line or " saved " in line][:1]
+            parts.append(f"start {s['start']}: " + (", ".join(said) or "no figures"))
+        return parts

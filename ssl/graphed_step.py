@@ -45,34 +45,51 @@ What a replayable step needs, and how it is met here:
   The collective is captured in the graph like the forward's own (the center's mean,
   Sinkhorn-Knopp, the bottleneck norm), which NCCL allows since 2.9; every rank captures
   and replays at the same iterations.
+  At build the ranks compare the buffer's layout (`check_layout`: one line where they built
+  different networks, instead of an all-reduce that hangs) and take rank 0's student and
+  teacher (`broadcast_weights`); at each log line the trainer checks that every `.grad`
+  still views the buffer (`FlatGradients.check`).
   Under torchrun with one process the step takes this same path (an all-reduce over one
   rank), so that one-process torchrun measures its cost against a plain run, which has no
   process group and reduces nothing.
 - Inputs are copied into buffers the graph reads; the outputs are buffers the next replay
   overwrites. Without a process group the gradients are allocated by the capture and
-  written, not accumulated, by every replay. lightly's center keeps one buffer
-  (DinoStep.forward_loss).
+  written, not accumulated, by every replay. The center keeps one buffer, which lightly
+  would replace at every update (ssl.loss.DinoLoss copies the new center into it).
 The first `warmup` calls run the same code without capture, on a side stream (real
 iterations: compilation, cuBLAS handles, NCCL's communicator, the optimizer's state); the
-next call captures it and every later call only replays. The body runs uncaptured on a CPU
+next call captures it and every later call only replays. A capture that fails, or whose
+memory would not fit (`capture_room`), is the trainer's to handle (ssl/fallback.py: auto
+falls back, dino.cuda_graphs=true stops in one line). The body runs uncaptured on a CPU
 too (capture=False), which is how tests/test_graphs.py checks its arithmetic against
 DinoStep's own and tests/test_ddp_graphs.py its reduction against DDP's.
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
 import torch.distributed as tdist
 
 from resmlp.core import dist
-from resmlp.core.compiling import StepPath, compile_form
 from resmlp.core.config import check_choice
-from resmlp.core.errors import UserError
+from resmlp.core.errors import RunFailed, UserError
 from resmlp.ssl.clip import clip_per_parameter
 from resmlp.ssl.ema import update_teacher_by
 
 WARMUP = 3   # uncaptured calls before the capture (torch's own examples use 3)
+# The graph's pool is carved into segments as the capture allocates, and some of their room is
+# lost between blocks: the capture is tried only where the device has this much more than the
+# uncaptured steps' own need.
+POOL_MARGIN = 1.25
+GIB = 2 ** 30
+
+
+def capturable(device) -> bool:
+    """Whether a step on `device` can be captured: a CUDA GPU. The fallback tests make a CPU
+    take the graphed path (with torch.cuda's graph and streams faked) by replacing this."""
+    return torch.device(device).type == "cuda"
 
 
 def use_cuda_graphs(value, device: torch.device, scaler_enabled: bool,
@@ -86,26 +103,18 @@ def use_cuda_graphs(value, device: torch.device, scaler_enabled: bool,
     if value is False:
         return False, "graphs off: dino.cuda_graphs=false"
     need = why = None
-    if torch.device(device).type != "cuda":
+    if not capturable(device):
         need, why = "a CUDA GPU", "graphs off: CUDA graphs need a CUDA GPU"
     elif scaler_enabled:
         need = "bf16 or fp32 (fp16's GradScaler reads its scale on the host)"
-        why = "graphs off: fp16 needs GradScaler, which reads its scale on the host (precision=bf16 is graphed)"
+        why = ("graphs off: fp16 needs GradScaler, which reads its scale on the host (precision=bf16 is graphed, "
+               "on a GPU that has bf16: sm 8.0 or later)")
     elif grad_checkpointing and value == "auto":
         why = ("graphs off: model.grad_checkpointing has not run in a CUDA graph on a GPU yet "
                "(dino.cuda_graphs=true tries it)")
     if need and value is True:
         raise UserError(f"dino.cuda_graphs=true needs {need}; set dino.cuda_graphs=false or auto")
     return why is None, why
-
-
-def dino_path(cfg, device: torch.device, scaler_enabled: bool) -> StepPath:
-    """The DINO step's path for `cfg` on `device`: graphed or not (use_cuda_graphs), then
-    compiled as `compile` says for a step graphed or not (core.compiling.compile_form)."""
-    graphed, graphs_off = use_cuda_graphs(cfg.dino.get("cuda_graphs", False), device, scaler_enabled,
-                                          bool(cfg.model.get("grad_checkpointing", False)))
-    form, compile_off = compile_form(cfg.compile, device, "dino", graphed)
-    return StepPath(form, graphed, tuple(line for line in (compile_off, graphs_off) if line))
 
 
 class TensorSchedule:
@@ -123,19 +132,21 @@ class TensorSchedule:
         for name in self.NAMES:
             setattr(self, name, torch.zeros((), device=device))
 
-    def set(self, lr: float, weight_decay: float, momentum: float, teacher_temp: float, epoch: int) -> None:
+    def set(self, values, epoch: int) -> None:
+        """The schedules' `values` of an iteration (ssl.step.StepValues) at `epoch`."""
         last, backbone = epoch < self.freeze_last_epochs, epoch < self.warmup_epochs
+        lr, weight_decay, momentum = values.lr, values.wd, values.momentum
         lr_b = lr * self.lr_scale
         # products and differences in float64 here: 1 - m in fp32 on the device would lose
         # five digits of the EMA's weight
-        values = {"lr": lr, "backbone_lr": lr_b, "lr_wd": lr * weight_decay,
+        filled = {"lr": lr, "backbone_lr": lr_b, "lr_wd": lr * weight_decay,
                   "last_lr_wd": 0.0 if last else lr * weight_decay,
                   "backbone_lr_wd": 0.0 if backbone else lr_b * weight_decay,
                   "ema_weight": 1.0 - momentum, "backbone_ema_weight": 0.0 if backbone else 1.0 - momentum,
-                  "teacher_temp": teacher_temp, "last_kept": float(not last), "last_frozen": float(last),
+                  "teacher_temp": values.teacher_temp, "last_kept": float(not last), "last_frozen": float(last),
                   "backbone_kept": float(not backbone), "backbone_frozen": float(backbone)}
         for name in self.NAMES:
-            getattr(self, name).fill_(values[name])
+            getattr(self, name).fill_(filled[name])
 
 
 class FlatGradients:
@@ -144,8 +155,9 @@ class FlatGradients:
     docstring). The views stay the parameters' `.grad` for good: the step zeroes the buffer
     (`zero`) instead of dropping them."""
 
-    def __init__(self, params: list[torch.Tensor]):
-        self.params = [p for p in params if p.requires_grad]
+    def __init__(self, params: list[torch.Tensor], names: list[str] | None = None):
+        kept = [(n, p) for n, p in zip(names or [str(i) for i in range(len(params))], params) if p.requires_grad]
+        self.names, self.params = [n for n, _ in kept], [p for _, p in kept]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise RuntimeError(f"FlatGradients holds one dtype; the parameters have {sorted(map(str, dtypes))}")
@@ -155,7 +167,26 @@ class FlatGradients:
         for p in self.params:
             p.grad = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        self.pointers = [p.grad.data_ptr() for p in self.params]
         self.world_size = dist.world_size()
+
+    def layout(self) -> tuple:
+        """(tensors, values, dtype, a hash of every name, shape and dtype): what two ranks
+        must share for one all-reduce of the buffer to add like to like."""
+        text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.names, self.params))
+        return len(self.params), self.flat.numel(), str(self.flat.dtype), hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def check(self) -> None:
+        """Every parameter's `.grad` still the view of the buffer it was given (a host-side
+        look at pointers): a gradient replaced or dropped since would be left out of the
+        all-reduce, and the ranks would drift apart."""
+        for name, p, pointer in zip(self.names, self.params, self.pointers):
+            if p.grad is None or p.grad.data_ptr() != pointer:
+                raise RunFailed(f"the gradient of {name} no longer views the flat buffer the step all-reduces "
+                                f"({'dropped' if p.grad is None else 'replaced'} since the step was built), so the "
+                                "processes may have drifted apart; stopped before a checkpoint. Something outside "
+                                "the step changed it (a hook, zero_grad(set_to_none=True)); dino.cuda_graphs=false "
+                                "reduces with DDP instead")
 
     def zero(self) -> None:
         self.flat.zero_()
@@ -166,11 +197,40 @@ class FlatGradients:
         tdist.all_reduce(self.flat)
 
 
-def broadcast_weights(net: torch.nn.Module) -> None:
+def broadcast_weights(*nets: torch.nn.Module) -> None:
     """Rank 0's weights (parameters and buffers) on every rank, as DDP makes them when it
     wraps a network."""
-    for t in net.state_dict().values():
-        tdist.broadcast(t, src=0)
+    for net in nets:
+        for t in net.state_dict().values():
+            tdist.broadcast(t, src=0)
+
+
+def check_layout(flat: FlatGradients) -> None:
+    """The ranks compare their flat buffers' layouts (one small all-gather) before anything
+    is broadcast or reduced: ranks that built different networks (another config, other
+    code) would otherwise hang in the all-reduce, or add unlike gradients. One line on a
+    mismatch."""
+    layouts = [None] * dist.world_size()
+    tdist.all_gather_object(layouts, flat.layout())
+    if len(set(layouts)) == 1:
+        return
+    said = "; ".join(f"rank {r}: {n} tensors, {v} values, {d}, layout {h}" for r, (n, v, d, h) in enumerate(layouts))
+    raise UserError(f"the {len(layouts)} processes built different networks to train ({said}): every process must "
+                    "start with the same code and config (model.*, dino.*); their gradients cannot be all-reduced")
+
+
+def capture_room(device: torch.device) -> str | None:
+    """Whether the graph's memory pool would fit, from what the uncaptured steps used: None,
+    or the reason it would not. The pool holds what one step allocates beyond what the run
+    keeps between steps (the peak since the trainer reset it, less what is allocated now);
+    the device has what is free, and the cache the capture empties first."""
+    peak, held = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - held
+    need = peak - held
+    if need * POOL_MARGIN <= free:
+        return None
+    return (f"the uncaptured steps peaked at {peak / GIB:.1f} GiB, {need / GIB:.1f} GiB above what the run holds "
+            f"between steps, and the device has {free / GIB:.1f} GiB left for the graph's own pool")
 
 
 class GraphedStep:
@@ -183,7 +243,7 @@ class GraphedStep:
         self.step = step
         opt = step.optimizer
         self.device = opt.param_groups[0]["params"][0].device
-        self.capture = self.device.type == "cuda" if capture is None else bool(capture)
+        self.capture = capturable(self.device) if capture is None else bool(capture)
         self.warmup = int(warmup)
         student = step.raw_student
         head, last = student.head, getattr(student.head, "last_layer", None)
@@ -207,8 +267,11 @@ class GraphedStep:
         self.reduce = dist.is_dist() if reduce is None else bool(reduce)
         self.flat = None
         if self.reduce:
-            broadcast_weights(student)
-            self.flat = FlatGradients(list(student.parameters()))
+            names, params = zip(*student.named_parameters())
+            self.flat = FlatGradients(list(params), list(names))
+            check_layout(self.flat)   # before the broadcast: unlike tensors would hang it
+            # rank 0's student and teacher everywhere (DDP broadcasts the student alone)
+            broadcast_weights(student, step.teacher)
         self.calls, self.captures = 0, 0
         self.graph, self.inputs, self.out = None, None, None
 
@@ -225,8 +288,26 @@ class GraphedStep:
             g["capturable"] = self.device.type == "cuda"
             g["weight_decay"] = 0.0
 
-    def __call__(self, crops, lr: float, weight_decay: float, momentum: float, teacher_temp: float, epoch: int):
-        self.sched.set(lr, weight_decay, momentum, teacher_temp, epoch)
+    @property
+    def capture_due(self) -> bool:
+        """Whether the next call captures (the warm-up done, no graph yet)."""
+        return self.capture and self.graph is None and self.calls >= self.warmup
+
+    def check(self) -> None:
+        """The gradients still view the flat buffer (FlatGradients.check), where there is one."""
+        if self.flat is not None:
+            self.flat.check()
+
+    def __call__(self, crops, values, epoch: int):
+        self.load(crops, values, epoch)
+        if self.capture_due:
+            self.capture_graph()
+        return self.run()
+
+    def load(self, crops, values, epoch: int) -> None:
+        """This iteration's schedule values (ssl.step.StepValues) and crops into the tensors
+        the step reads."""
+        self.sched.set(values, epoch)
         if self.inputs is None:
             self._install()
             self.inputs = [c.detach().clone() for c in crops]
@@ -237,25 +318,37 @@ class GraphedStep:
                                    f"{[tuple(c.shape) for c in self.inputs]}; a graph needs one batch shape")
             for buf, c in zip(self.inputs, crops):
                 buf.copy_(c)
+
+    def capture_graph(self) -> None:
+        """Capture the step (nothing runs: the kernels are recorded). On failure the graph
+        is dropped and the stream it captured on left, and the error raised."""
+        if self.flat is None:
+            self.step.optimizer.zero_grad(set_to_none=True)  # the capture allocates them
+        stream = torch.cuda.current_stream(self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: the loader's pin-memory thread allocates pinned host memory
+            # while we capture (and NCCL's watchdog queries its events); in the default
+            # global mode those calls would break the capture
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.out = self._update(zero_grad=False)
+        except BaseException:
+            self.graph = None   # its pool goes with it
+            torch.cuda.set_stream(stream)   # a failed capture_end skips the graph's own return to it
+            raise
+        self.captures += 1
+
+    def run(self):
+        """The step: uncaptured (warm-up, or on a CPU) or the graph's replay; its outputs."""
         if not self.capture:
             self.out = self._update(zero_grad=True)
-        elif self.calls < self.warmup:
+        elif self.graph is None:   # the warm-up
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 self.out = self._update(zero_grad=True)
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            if self.graph is None:
-                if self.flat is None:
-                    self.step.optimizer.zero_grad(set_to_none=True)  # the capture allocates them
-                self.graph = torch.cuda.CUDAGraph()
-                # thread_local: the loader's pin-memory thread allocates pinned host memory
-                # while we capture (and NCCL's watchdog queries its events); in the default
-                # global mode those calls would break the capture
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                    self.out = self._update(zero_grad=False)
-                self.captures += 1
             self.graph.replay()
         self.calls += 1
         out = self.out

@@ -83,51 +83,6 @@ def measure_interleaved(fns: dict, device: torch.device, warmup: int = 2, calls:
             for name in fns}
 
 
-class PhaseClock:
-    """Time per named span of code, summed over its calls (eval/knn_search.py's `phase`).
-    On a GPU: the device time between CUDA events recorded at each span's ends, so that a
-    loop that only launches work stays without a host sync (read() synchronizes once at the
-    end), and the host's own time in the span beside it (its launches); on a CPU, where the
-    work is synchronous, the host's time (perf_counter) is both. note(): facts of the call
-    (e.g. a search round's size), kept in order."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: dict = {}   # name -> {"calls", "host_s", "events": [(start, end)]}, in first-run order
-        self.notes: list = []
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        span = self.spans.setdefault(name, {"calls": 0, "host_s": 0.0, "events": []})
-        start = torch.cuda.Event(enable_timing=True) if self.cuda else None
-        if start is not None:
-            start.record()
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            span["host_s"] += time.perf_counter() - t
-            span["calls"] += 1
-            if start is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                span["events"].append((start, end))
-
-    def note(self, **fields) -> None:
-        self.notes.append(fields)
-
-    def read(self) -> dict:
-        """{name: {"calls", "device_ms", "host_ms"}}: one host sync on a GPU, none on a CPU."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = {}
-        for name, span in self.spans.items():
-            host = 1e3 * span["host_s"]
-            device = sum(a.elapsed_time(b) for a, b in span["events"]) if self.cuda else host
-            out[name] = {"calls": span["calls"], "device_ms": device, "host_ms": host}
-        return out
-
-
 def reset_memory(device: torch.device) -> None:
     """Free what the previous row left and restart the peak counter."""
     gc.collect()

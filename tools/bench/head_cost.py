@@ -1,12 +1,12 @@
 """What dino.head_precision changes in the DINO step:
-`python -m resmlp.bench.head_cost [dino overrides] [--precisions fp32,tf32,bf16] [--mode regional|eager]
+`python -m bench.head_cost [dino overrides] [--precisions fp32,tf32,bf16] [--mode regional|eager]
 [--steps N] [--repeats R] [--json F]`.
 
 The trainer's step (compile_cost.build: `dino resmlp_s12` with the overrides, default the
 Fashion-MNIST preset; `--mode regional` is compile=true as the trainer runs it, with its
 heads and loss compiled; dino.cuda_graphs as the overrides say) built once per precision of
 the head's prototype layer (ssl/head.py), side by side in this process from the same
-seed, and timed in alternating repeats (bench.timing.measure_interleaved: what other jobs
+seed, and timed in alternating repeats (timing.py's measure_interleaved: what other jobs
 do falls on every precision alike). Per precision: images per second, its ratio to fp32's,
 and the first step's loss beside fp32's (same weights, same crops). On a GPU these are the
 lines that decide the default (tests/test_head.py holds each precision's loss to fp32's);
@@ -22,15 +22,15 @@ import torch
 
 
 def measure(precisions: list[str], overrides: list[str], mode: str, steps: int, repeats: int) -> list[dict]:
-    from resmlp.bench.compile_cost import build
-    from resmlp.bench.rows import LR, MOMENTUM, TEACHER_TEMP, WD
-    from resmlp.bench.timing import measure_interleaved
+    from bench.compile_cost import build
+    from bench.step import EPOCH, VALUES
+    from bench.timing import measure_interleaved
     built = {p: build(mode, [*overrides, f"dino.head_precision={p}"]) for p in precisions}
     first, calls, warmup = {}, {}, 2
     for p, (step, crops, device, *_rest) in built.items():
         torch.manual_seed(1)   # the same drop-path draws
-        first[p] = float(step([c.clone() for c in crops], LR, WD, MOMENTUM, TEACHER_TEMP, 1)[0])
-        calls[p] = (lambda s=step, c=crops: s(c, LR, WD, MOMENTUM, TEACHER_TEMP, 1))
+        first[p] = float(step([c.clone() for c in crops], VALUES, EPOCH)[0])
+        calls[p] = (lambda s=step, c=crops: s(c, VALUES, EPOCH))
         if step.graphed is not None:   # its warm-up calls and capture before the timed ones
             warmup = max(warmup, step.graphed.calls_to_steady_state + 1)
     device, precision, plan, batch = next(iter(built.values()))[2:6]

@@ -1,4 +1,5 @@
-"""Where a DINO iteration's time goes, on the device: `python -m resmlp.bench.profile [key=value ...]`.
+"""Where a DINO iteration's time goes, on the device: `python -m bench.profile [key=value ...]`
+(tools/ on the import path, as run.sh and the campaign put it).
 
 The benchmark (bench.py) says how fast; this says why. For one DINO config (the
 Fashion-MNIST preset by default; any `dino` command override works, e.g.
@@ -14,13 +15,13 @@ each phase of the trainer's iteration alone, at the trainer's batch:
 
 then records a few steps with torch.profiler and keeps every kernel (`profile.top` of them,
 null: all), each in its class (GEMM, elementwise, reduction, copy, other:
-bench/kernel_classes.py), and each class against its floor: the step's matmul FLOPs at the
+kernel_classes.py), and each class against its floor: the step's matmul FLOPs at the
 matmul rate and the other classes' bytes at the device-to-device copy rate, both rates
-measured in this process first (bench/timing.py). It prints the classes, the busy fraction
+measured in this process first (timing.py). It prints the classes, the busy fraction
 (kernel time / wall time: well under 1 means the host, not the device, sets the pace) and
 the longest kernels. On a CPU the "kernels" are the ops' own times.
 
-Its own keys are configs/method/profile.yaml's (`profile.steps`, `profile.top`,
+Its own keys are profile.yaml's (beside this file) (`profile.steps`, `profile.top`,
 `profile.shown`, `profile.out`, `profile.phases`, `profile.knn`), checked by their `limits:`
 like every other key; `profile.phases=loader,augment` is the list [loader,augment] (without
 loader: random uint8 images, for a data set that is not on the machine).
@@ -29,11 +30,12 @@ loader: random uint8 images, for a data set that is not on the machine).
 knn row (its `torch-device` line: the bench profile's sizes, `profile.knn=gpu|cpu|tiny`,
 auto: gpu on a GPU and cpu without one; the features already on the device): the whole
 call timed (its first call at full size alone, then the median of `profile.steps`), then
-one call with its phases timed (eval/knn_search.py's `phase` spans: the inputs, the bank's
-and the queries' unit rows, the float16 pass's matmuls and its block maxima and merges,
-the float64 re-rank, the exactness check, each round's host sync, the copy back, the vote)
-by CUDA events, no host sync added (bench/timing.py's PhaseClock; perf_counter on a CPU),
-with each search round's candidates and queries; on a GPU one call profiled for its kernels.
+one call profiled for its phases (eval/knn_search.py's spans: the inputs, the bank's and
+the queries' unit rows, the float16 pass's matmuls and its block maxima and merges, the
+float64 re-rank, the exactness check, each round's host sync, the copy back, the vote),
+torch.profiler's device time of each on a GPU and the host's on a CPU, no host sync added
+(knn.py's search_spans), with each search round's candidates and queries; on a GPU one
+call profiled for its kernels.
 """
 from __future__ import annotations
 
@@ -44,8 +46,11 @@ from pathlib import Path
 
 import torch
 
-from resmlp.bench import kernel_classes as KC
-from resmlp.bench.timing import PhaseClock, copy_rate, matmul_rate, measure, peak_memory_gb, reset_memory, sync
+from bench import kernel_classes as KC
+from bench.config import bench_config, bench_profile, profile_config
+from bench.knn import knn_features, search_spans
+from bench.step import build_our_step, call_step, step_flops, synthetic_crops
+from bench.timing import copy_rate, count_flops, matmul_rate, measure, peak_memory_gb, reset_memory, sync
 from resmlp.core.config import as_list, load_config
 from resmlp.core.errors import UserError
 
@@ -77,7 +82,7 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
 
 def _main(args: list[str]) -> int:
     mine, rest = split_args(args)
-    pc = load_config("profile", None, mine).profile
+    pc = profile_config(mine).profile
     phases = [str(p) for p in as_list(pc.phases)]
     steps, out = int(pc.steps), pc.out
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,8 +91,8 @@ def _main(args: list[str]) -> int:
 
     cfg = load_config("dino", "resmlp_s12", ["demo=false", *rest])
     precision = "bf16" if device.type == "cuda" else "fp32"
-    from resmlp.core.compiling import compile_form
-    compiled = compile_form(cfg.compile, device, "dino")[0] is not None   # compile=auto: on a GPU
+    from resmlp.ssl.step import dino_path
+    compiled = dino_path(cfg, device, scaler_enabled=False).compile is not None   # compile=auto: on a GPU
     plan = crop_plan(cfg)
     batch = int(cfg.batch_size)
     step_phases = {"loader", "augment", "step"} & set(phases)
@@ -126,7 +131,7 @@ def _main(args: list[str]) -> int:
 def rates(device) -> dict:
     """The two ceilings the kernel classes are held against, measured here (the bench's gpu or
     cpu profile's sizes): the dense matmul rate in the step's precision and the copy rate."""
-    sizes = load_config("bench", None, []).bench["gpu" if device.type == "cuda" else "cpu"]
+    sizes = bench_config().bench["gpu" if device.type == "cuda" else "cpu"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = {"matmul": matmul_rate(device, int(sizes.matmul_size), dtype), "copy": copy_rate(device, int(sizes.copy_mb))}
     print(f"measured: matmul {out['matmul']['tflops']:.4g} TFLOP/s ({out['matmul']['dtype']}, "
@@ -183,14 +188,13 @@ def _time_augment(cfg, plan, device, precision: str, comp: bool, sources: tuple,
 def _time_step(cfg, plan, device, precision: str, comp: bool, steps: int, record, kernels: dict) -> dict:
     """DinoStep alone on synthetic crops, eager or compiled (not graphed), timed, then
     profiled: its kernels by class against their floors (_profile)."""
-    from resmlp.bench import rows as R
     crops = [c.to(torch.bfloat16) if precision == "bf16" else c
-             for c in R.synthetic_crops(plan, int(cfg.batch_size), device)]
-    step = R.build_our_step(cfg, device, precision, comp, graphs=False)
-    t = measure(lambda: R.call_step(step, crops), device, 3, steps, 3)
+             for c in synthetic_crops(plan, int(cfg.batch_size), device)]
+    step = build_our_step(cfg, device, precision, comp, graphs=False)
+    t = measure(lambda: call_step(step, crops), device, 3, steps, 3)
     record(f"step {'compiled' if comp else 'eager'}", t.seconds)
-    flops = R._count_flops(cfg, device, precision, crops)  # the model's, on a plain eager step
-    found = _profile(lambda: R.call_step(step, crops), device, kernels, flops)
+    flops = step_flops(cfg, device, precision, crops)  # the model's, on a plain eager step
+    found = _profile(lambda: call_step(step, crops), device, kernels, flops)
     step = None
     torch._dynamo.reset()
     return found
@@ -199,14 +203,13 @@ def _time_step(cfg, plan, device, precision: str, comp: bool, steps: int, record
 def _time_knn(sizes: str, device, steps: int, kernels: dict) -> tuple[dict, dict | None]:
     """The bench's device k-NN (bench profile `sizes`' knn settings, its features already on
     the device, eval/knn.py's knn_classify as the bench's line calls it): timed whole, then one
-    call by phase (PhaseClock; its votes checked equal to an untimed call's), then on a GPU one
-    call profiled. Returns (its figures, its kernels by class or None)."""
-    from resmlp.bench import rows as R
-    from resmlp.core.config import load_config
+    call profiled by phase (knn.py's search_spans; its votes checked equal to an unprofiled
+    call's), then on a GPU one call profiled for its kernels. Returns (its figures, its
+    kernels by class or None)."""
     from resmlp.eval import knn as K
-    from resmlp.eval import knn_search as S
-    k = load_config("bench", "resmlp_s12", [f"bench.profile={sizes}"]).bench[sizes].knn
-    train, train_y, test, test_y, classes = R.knn_features(k)
+    from resmlp.eval.knn_search import default_pass_dtype
+    k = bench_profile(sizes).knn
+    train, train_y, test, test_y, classes = knn_features(k)
     n = test.shape[0] if device.type == "cuda" else min(test.shape[0], int(k.cpu_queries))
     reset_memory(device)
     train, test = train.to(device), test[:n].to(device)
@@ -217,25 +220,20 @@ def _time_knn(sizes: str, device, steps: int, kernels: dict) -> tuple[dict, dict
                                      backend="torch", device=device)
     run(train[:4096], train_y[:4096], test[:8], "warm-up")   # the libraries, as the bench's line warms up
     t = measure(run, device, warmup=1, calls=1, repeats=max(1, steps))   # first_s: the first call at full size
-    clock = PhaseClock(device)
-    sync(device)
     t0 = time.perf_counter()
-    with S.timed_phases(clock):
-        run(key="phased")
-    sync(device)
+    spans, rounds = search_spans(lambda: run(key="phased"), device)
     wall = time.perf_counter() - t0
-    spans = clock.read()
     out = {"sizes": sizes, "n_train": int(k.n_train), "dim": int(k.dim), "queries": n, "k": int(k.k),
            "device": device.type,
-           "pass_dtype": str(S._TorchSearch.DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
+           "pass_dtype": str(default_pass_dtype(device)).replace("torch.", ""),
            "first_s": t.first_s, "seconds": t.seconds, "repeats": t.repeats, "phased_s": wall,
            "same_votes": bool(torch.equal(scores["plain"], scores["phased"])),
            "top1": float((scores["plain"].argmax(1) == test_y[:n]).float().mean() * 100),
-           "rounds": clock.notes, "phases": spans, "mem_gb": peak_memory_gb(device)}
+           "rounds": rounds, "phases": spans, "mem_gb": peak_memory_gb(device)}
     print(f"knn {out['n_train']} x {out['dim']}, {n} queries, k={out['k']}, {out['pass_dtype']} pass on "
           f"{device.type}: first call {t.first_s:.3f} s, then {t.seconds:.3f} s (median of {len(t.repeats)}), "
-          f"with its phases timed {wall:.3f} s, top-1 {out['top1']:.1f}%", flush=True)
-    print("  rounds: " + "; ".join(f"{r['queries']} queries at {r['candidates']} candidates" for r in clock.notes))
+          f"profiled by phase {wall:.3f} s, top-1 {out['top1']:.1f}%", flush=True)
+    print("  rounds: " + "; ".join(f"{r['queries']} queries at {r['candidates']} candidates" for r in rounds))
     print(f"  {'phase':30s} {'calls':>6s} {'device ms':>10s} {'host ms':>10s}")
     for name, v in spans.items():
         print(f"  {name:30s} {v['calls']:6d} {v['device_ms']:10.2f} {v['host_ms']:10.2f}")
@@ -243,7 +241,6 @@ def _time_knn(sizes: str, device, steps: int, kernels: dict) -> tuple[dict, dict
     print(f"  {'sum':30s} {'':6s} {device_ms:10.2f}   (the call's wall {1e3 * wall:.2f} ms)", flush=True)
     found = None
     if device.type == "cuda":
-        from resmlp.bench.timing import count_flops
         found = _profile(run, device, kernels, count_flops(run), calls=1)
     return out, found
 

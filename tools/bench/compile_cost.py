@@ -1,5 +1,5 @@
 """What `compile=true` costs before the DINO step runs at speed, cold and with a saved cache:
-`python -m resmlp.bench.compile_cost [dino overrides] [--modes whole,regional,warm] [--steps N] [--json F]
+`python -m bench.compile_cost [dino overrides] [--modes whole,regional,warm] [--steps N] [--json F]
 [--interleave ROUNDS]`.
 
 Builds the trainer's step (resmlp.ssl.step.build_dino_step) for `dino resmlp_s12` with the
@@ -27,14 +27,13 @@ the seconds its load took and the compiled graphs found in the cache (FX graph a
 hits and misses). With `--interleave ROUNDS` it times the steady step only: every mode's
 step built in one process and the modes taken in turn, which a machine shared with other
 jobs needs for a fair comparison. The device and precision are the trainer's (device=auto:
-the GPU if there is one, bf16 there). bench/NOTES.md ("Issue 34 part 3", "Issue 42 part 3")
+the GPU if there is one, bf16 there). NOTES.md ("Issue 34 part 3", "Issue 42 part 3")
 has the figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from bench.process import child_env, module_argv
+
 MODES = ("eager", "whole", "regional", "warm")
 CACHED = ("regional", "warm")   # the modes that save (regional) or load (warm) a compile cache
 
@@ -51,7 +52,7 @@ CACHED = ("regional", "warm")   # the modes that save (regional) or load (warm) 
 def build(mode: str, overrides: list[str]):
     """The step of `mode` and its synthetic crops: (step, crops, device, precision, plan,
     batch, build seconds, config)."""
-    from resmlp.bench.rows import autocast_for, synthetic_crops
+    from bench.step import autocast_for, synthetic_crops
     from resmlp.core.config import load_config
     from resmlp.data.crop_plan import crop_plan
     from resmlp.ssl.step import build_dino_step
@@ -73,11 +74,11 @@ def build(mode: str, overrides: list[str]):
 
 def one_step(step, crops, device) -> float:
     """Seconds of one step, its work done (the tally read to the host)."""
-    from resmlp.bench.rows import LR, MOMENTUM, TEACHER_TEMP, WD
-    from resmlp.bench.timing import sync
+    from bench.step import EPOCH, VALUES
+    from bench.timing import sync
     sync(device)
     t0 = time.perf_counter()
-    step([c.clone() for c in crops], LR, WD, MOMENTUM, TEACHER_TEMP, 1)
+    step([c.clone() for c in crops], VALUES, EPOCH)
     step.read()
     return time.perf_counter() - t0
 
@@ -201,9 +202,8 @@ def one_mode(mode: str, overrides: list[str], steps: int) -> dict | None:
     """`mode` measured in a fresh process with an empty Inductor cache; its line printed.
     None (and a line saying so) when the process failed."""
     with tempfile.TemporaryDirectory(prefix="compile_cost_") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # cold: nothing compiled before
-        cmd = [sys.executable, "-m", "resmlp.bench.compile_cost", "--one", mode, "--steps", str(steps),
-               *overrides]
+        env = child_env(TORCHINDUCTOR_CACHE_DIR=cache)  # cold: nothing compiled before
+        cmd = module_argv("compile_cost", "--one", mode, "--steps", steps, *overrides)
         t0 = time.perf_counter()
         out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
         # the kernel files: C++ libraries on a CPU, Triton binaries on a GPU (warm: the cached ones written out)

@@ -3,13 +3,12 @@ bench's own process and in a one-process job under `torchrun --standalone --npro
 (which joins a process group: NCCL on a GPU, gloo on a CPU, as the trainer under torchrun
 does), with the same model, crops, batch and settings; the torchrun line's images/s as a
 fraction of the in-process one (goal: within 10%). The job's process is this module:
-`python -m torch.distributed.run ... -m resmlp.bench.torchrun_step SPEC OUT` reads the
-step's config from SPEC (JSON) and writes its figures to OUT.
+`python -m torch.distributed.run ... -m bench.torchrun_step SPEC OUT` reads the step's
+config from SPEC (JSON) and writes its figures to OUT.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,10 @@ from types import SimpleNamespace
 
 import torch
 
+from bench.process import child_env
+from bench.step import build_our_step, compile_cleanup, dino_config, ours, synthetic_crops, time_step
+from bench.timing import peak_memory_gb
+
 TIMING = ("warmup", "steps", "repeats")  # the bench profile's keys that say how a step line is timed
 
 
@@ -25,14 +28,13 @@ def torchrun_argv(spec: Path, out: Path, python: str = sys.executable) -> list[s
     """The job's command line: one process on this machine (`--standalone`: its own
     rendezvous on a free port), running this module."""
     return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            "-m", "resmlp.bench.torchrun_step", str(spec), str(out)]
+            "-m", "bench.torchrun_step", str(spec), str(out)]
 
 
 def torchrun_family(ctx) -> None:
-    from resmlp.bench import rows as R
     cfg = step_config(ctx)
     base = {"model": str(cfg.model.name), "strategy": str(cfg.dino.local_crops), "batch": int(cfg.batch_size),
-            "impl": R.ours(("compile" if cfg.compile else "eager") + ("+graphs" if cfg.dino.cuda_graphs else ""),
+            "impl": ours(("compile" if cfg.compile else "eager") + ("+graphs" if cfg.dino.cuda_graphs else ""),
                            bool(cfg.model.fused))}
     plain = ctx.attempt("torchrun", {**base, "path": "one process"}, lambda: in_process(ctx))
     ctx.attempt("torchrun", {**base, "path": "torchrun --standalone --nproc_per_node 1"},
@@ -42,9 +44,8 @@ def torchrun_family(ctx) -> None:
 def step_config(ctx):
     """The row's step: the profile's dino lines' config for torchrun.model and .strategy, graphed
     as torchrun.graphs says (the step a user's run takes on a GPU)."""
-    from resmlp.bench import rows as R
     q = ctx.p.torchrun
-    return R.dino_config(ctx.p, str(q.model), str(q.strategy),
+    return dino_config(ctx.p, str(q.model), str(q.strategy),
                          [f"compile={bool(q.compile)}", f"dino.cuda_graphs={bool(q.graphs)}"])
 
 
@@ -60,19 +61,18 @@ def in_process(ctx) -> dict:
 
 def time_one_step(cfg, device, spec: dict, world_size: int = 1) -> dict:
     """The step of `cfg` on synthetic crops, timed as the bench's dino lines are."""
-    from resmlp.bench import rows as R
     from resmlp.data.crop_plan import crop_plan
     plan = crop_plan(cfg)
-    crops = R.synthetic_crops(plan, int(cfg.batch_size), device)
-    step = R.build_our_step(cfg, device, spec["precision"], bool(cfg.compile), graphs=bool(cfg.dino.cuda_graphs),
+    crops = synthetic_crops(plan, int(cfg.batch_size), device)
+    step = build_our_step(cfg, device, spec["precision"], bool(cfg.compile), graphs=bool(cfg.dino.cuda_graphs),
                             world_size=world_size)
     try:
-        t, loss = R.time_step(step, crops, device, SimpleNamespace(**{k: spec[k] for k in TIMING}))
+        t, loss = time_step(step, crops, device, SimpleNamespace(**{k: spec[k] for k in TIMING}))
     finally:
         step = None
-        R._compile_cleanup(bool(cfg.compile))
+        compile_cleanup(bool(cfg.compile))
     return {"images_per_s": int(cfg.batch_size) / t.seconds, "step_ms": 1e3 * t.seconds, "first_s": t.first_s,
-            "spread": t.spread, "crops": plan.label(), "loss": loss, "mem_gb": R.peak_memory_gb(device)}
+            "spread": t.spread, "crops": plan.label(), "loss": loss, "mem_gb": peak_memory_gb(device)}
 
 
 def under_torchrun(ctx, in_process_rate: float | None) -> dict:
@@ -86,7 +86,7 @@ def under_torchrun(ctx, in_process_rate: float | None) -> dict:
         try:
             done = subprocess.run(torchrun_argv(spec_path, out_path), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env=child_env(PYTHONUNBUFFERED="1"))
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the torchrun job ran past bench.<profile>.torchrun.timeout_s={timeout:g}") from None
         if done.returncode or not out_path.exists():

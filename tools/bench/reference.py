@@ -112,8 +112,8 @@ class RefDinoStep:
         self.scaler = torch.amp.GradScaler("cuda") if self.fp16 else None
         self.device, self.clip_grad, self.freeze_last_layer = device, clip_grad, freeze_last_layer
 
-    def __call__(self, crops, lr: float, weight_decay: float, momentum: float, teacher_temp: float,
-                 epoch: int):
+    def __call__(self, crops, values, epoch: int):
+        lr, weight_decay, momentum, teacher_temp = values   # resmlp.ssl.step.StepValues, as DinoStep takes them
         for i, group in enumerate(self.optimizer.param_groups):
             group["lr"] = lr
             if i == 0:

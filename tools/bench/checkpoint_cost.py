@@ -1,5 +1,5 @@
 """What one of the DINO trainer's checkpoints costs on this machine's disk:
-`python -m resmlp.bench.checkpoint_cost [dino overrides] [--times N] [--dir D]`.
+`python -m bench.checkpoint_cost [dino overrides] [--times N] [--dir D]`.
 
 Builds the step the trainer builds (student, teacher, head, AdamW) for `dino resmlp_s12`
 with the overrides (default: the Fashion-MNIST preset), runs one step at a small batch so
@@ -8,7 +8,7 @@ that AdamW holds its two moments, then writes the checkpoint as the trainer does
 kept as checkpoint_prev.pth) N times into D (default: a temp dir under runs/), and prints
 its size and the seconds of each write. The figure is this machine's disk and CPU: on a
 GPU the weights come from the device first (not timed here), and another disk writes at
-another rate. bench/NOTES.md ("The preset's checkpoints under the campaign") has the
+another rate. NOTES.md ("The preset's checkpoints under the campaign") has the
 figures and the cadence chosen from them.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 
 def measure(overrides: list[str], times: int, folder: Path) -> dict:
-    from resmlp.bench.rows import LR, MOMENTUM, TEACHER_TEMP, WD, synthetic_crops
+    from bench.step import EPOCH, VALUES, synthetic_crops
     from resmlp.core.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, rng_state, save_checkpoint
     from resmlp.core.config import load_config, to_dict
     from resmlp.data.crop_plan import crop_plan
@@ -34,7 +34,7 @@ def measure(overrides: list[str], times: int, folder: Path) -> dict:
     plan = crop_plan(cfg)
     device = torch.device("cpu")
     step = build_dino_step(cfg, plan, device)
-    step(synthetic_crops(plan, 2, device), LR, WD, MOMENTUM, TEACHER_TEMP, 1)  # AdamW's moments exist now
+    step(synthetic_crops(plan, 2, device), VALUES, EPOCH)  # AdamW's moments exist now
     state = {"student": step.raw_student.state_dict(), "teacher": step.teacher.state_dict(),
              "optimizer": step.optimizer.state_dict(), "center": step.loss_fn.center.detach(),
              "epoch": 1, "iteration": 1, "rng": rng_state(), "results": {}}

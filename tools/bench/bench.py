@@ -1,13 +1,16 @@
 """`bash run.sh bench [model] [key=value ...]`: throughput benchmarks in one process.
 
-Rows (bench.rows): dino, e2e, torchrun, inference, knn, aug, loader (the measured matmul peak
-and device-to-device copy rate always run first). Sizes come from one profile of configs/method/bench.yaml: gpu (the real models at
-224 px), cpu (a small ResMLP at 64 px: what this machine can say) or tiny (the test's,
-seconds on a CPU); bench.profile=auto picks gpu when CUDA is visible. Prints one table
-per row family and a summary against the goals, and writes <out>/bench.json (out
-defaults to runs/bench). A line that fails prints its error in its table and the
-others still run; the exit code is then 1. bench/NOTES.md: method, predictions, and the
-commands for a GPU machine.
+A tool for measuring this project, not a command of the package: run.sh puts tools/ on the
+import path and runs `python -m bench`, which borrows the package's command line (its config
+from bench.yaml beside this file, its checks and one-line errors). Rows (FAMILIES, a module
+each): dino, e2e, torchrun, inference, knn, linear, aug, loader (the measured matmul peak
+and device-to-device copy rate always run first). Sizes come from one profile of bench.yaml:
+gpu (the real models at 224 px), cpu (a small ResMLP at 64 px: what this machine can say)
+or tiny (the test's, seconds on a CPU); bench.profile=auto picks gpu when CUDA is visible.
+Prints one table per row family and a summary against the goals, and writes
+<out>/bench.json (out defaults to runs/bench). A line that fails prints its error in its
+table and the others still run; the exit code is then 1. NOTES.md: method, predictions,
+and the commands for a GPU machine.
 """
 from __future__ import annotations
 
@@ -26,18 +29,26 @@ from pathlib import Path
 
 import torch
 
-from resmlp.bench import rows as R
-from resmlp.bench.torchrun_step import torchrun_family
-from resmlp.core import dist, preempt
+from bench.config import BENCH_YAML
+from bench.data import aug_family, loader_family
+from bench.dino import dino_family
+from bench.e2e import e2e_family
+from bench.inference import inference_family
+from bench.knn import knn_family
+from bench.linear import linear_family
+from bench.step import Skip
+from bench.timing import copy_rate, matmul_rate, reset_memory
+from bench.torchrun_step import torchrun_family
+from resmlp.core import cli, dist, preempt
 from resmlp.core.config import as_list, to_dict
 from resmlp.core.errors import PREEMPTED_EXIT, UserError
 
-FAMILIES = {"dino": R.dino_family, "e2e": R.e2e_family, "torchrun": torchrun_family, "inference": R.inference_family,
-            "knn": R.knn_family, "aug": R.aug_family, "loader": R.loader_family}
+FAMILIES = {"dino": dino_family, "e2e": e2e_family, "torchrun": torchrun_family, "inference": inference_family,
+            "knn": knn_family, "linear": linear_family, "aug": aug_family, "loader": loader_family}
 DEFAULT_MODEL = "resmlp_s12"  # what the CLI fills in when no model is given
 GOALS = {"dino_vs_reference": 3.0, "pct_of_peak": 40.0, "e2e_vs_synthetic": 0.8, "torchrun_vs_one_process": 0.9,
-         "inference_vs_timm": 1.5, "knn_seconds": 0.5, "loader_per_core": 500.0, "loader_vs_reference": 8.0}
-CPU_GOALS = ("loader_per_core", "loader_vs_reference")  # met or not on any machine
+         "inference_vs_timm": 1.5, "knn_seconds": 0.5, "loader_per_core": 500.0, "loader_vs_reference": 8.0,
+         "linear_seconds": 300.0}
 
 
 @dataclass
@@ -75,18 +86,18 @@ class Context:
                 raise Left(f"stopped by {preempt.received()} before this line")
             if self.deadline is not None and t0 > self.deadline:
                 raise Left("bench.time_limit_s reached before this line")
-            R.reset_memory(self.device)  # each line's mem_gb is its own peak, not an earlier line's
+            reset_memory(self.device)  # each line's mem_gb is its own peak, not an earlier line's
             row = {"row": family, **ident, "status": "ok", **(fn() or {})}
         except Left as e:
             row = {"row": family, **ident, "status": "skipped", "reason": str(e), "left": True}
             self.left += 1
-        except R.Skip as e:
+        except Skip as e:
             row = {"row": family, **ident, "status": "skipped", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - one line fails, the bench goes on
             traceback.print_exc(file=sys.stderr)
             msg = " ".join(str(e).split())[:300]
             row = {"row": family, **ident, "status": "error", "error": f"{type(e).__name__}: {msg}"}
-            R.reset_memory(self.device)
+            reset_memory(self.device)
         row.update(wall_s=round(time.perf_counter() - t0, 2), run=self.run, key=key)
         self.results.append(row)
         print(f"[bench] {progress_line(row)}", flush=True)
@@ -105,7 +116,8 @@ def line_key(family: str, ident: dict) -> str:
 
 
 def progress_line(row: dict) -> str:
-    who = " ".join(str(row[k]) for k in ("model", "strategy", "backend", "impl", "path") if row.get(k) is not None)
+    who = " ".join(str(row[k]) for k in ("model", "strategy", "backend", "protocol", "impl", "path")
+                   if row.get(k) is not None)
     if row["status"] != "ok":
         return f"{row['row']}: {who}: {row['status'].upper()} {row.get('error') or row.get('reason')}"
     for key, unit in (("images_per_s", "img/s"), ("tflops", "TFLOP/s"), ("tb_per_s", "TB/s"), ("seconds", "s"),
@@ -152,7 +164,7 @@ def machine_info(device: torch.device) -> dict:
             "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": version("torchvision"), "timm": version("timm"), "lightly": version("lightly"),
             "faiss": version("faiss-gpu", "faiss-cpu", "faiss-gpu-cu12", "faiss"),
-            "cpu_cores": dist.cpu_cores(), "cpu": _cpu_name(), "device": str(device),
+            "cpu_cores": dist.cpu_cores(), "cpu": dist.cpu_model(), "device": str(device),
             "torch_threads": torch.get_num_threads(),
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
@@ -169,15 +181,17 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+# --------------------------------------------------------------------------- peak
+
+def peak_family(ctx) -> None:
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    size = int(ctx.p.matmul_size)
+    row = ctx.attempt("peak", {"impl": "dense matmul", "dtype": str(dtype).replace("torch.", ""), "size": size},
+                      lambda: matmul_rate(ctx.device, size, dtype))
+    ctx.peak_tflops = row.get("tflops")  # also when an earlier run measured it
+    mbytes = int(ctx.p.copy_mb)
+    ctx.attempt("peak", {"impl": "device-to-device copy", "dtype": "float32", "size": f"{mbytes} MiB"},
+                lambda: copy_rate(ctx.device, mbytes))
 
 
 # --------------------------------------------------------------------------- summary
@@ -259,6 +273,10 @@ def summarize(results: list, device: torch.device) -> list[dict]:
         if r["backend"] in ("torch", "torch-device", "faiss-gpu") and r.get("device") == device.type:
             line(f"k-NN {r['backend']} on {r['device']}, {r['n_train']} x {r['dim']}, k={r['k']}, "
                  f"seconds for all queries", r["seconds_full"], GOALS["knn_seconds"], "lower", ".2f")
+    for r in _ok(results, "linear", protocol="lbfgs"):
+        line(f"linear probe (lbfgs, the default) on {r['device']}, {r['n_train']} x {r['dim']}, {r['classes']} "
+             f"classes, seconds for the selection over {r['l2s']} L2s and the refit", r["seconds"],
+             GOALS["linear_seconds"], "lower", ".1f")
     return lines
 
 
@@ -290,6 +308,12 @@ COLUMNS = {
             ("queries_per_s", "queries/s", ".0f"), ("top1", "top1 %", ".1f"), ("mem_gb", "mem GB", ".2f"),
             ("baseline_seconds", "baseline s", ".3f"), ("vs_baseline", "vs baseline", "x"),
             ("matmul_s", "pass: matmuls s", ".3f"), ("maxima_s", "+ maxima s", ".3f")],
+    "linear": [("protocol", "protocol", ""), ("device", "device", ""), ("n_train", "train", ""), ("dim", "dim", ""),
+               ("classes", "classes", ""), ("seconds", "s", ".1f"), ("selection_s", "selection s", ".1f"),
+               ("refit_s", "refit s", ".1f"), ("seconds_full", "s (all epochs)", ".1f"),
+               ("epoch_s", "s/epoch", ".2f"), ("l2s", "L2s", ""), ("iterations", "iterations", ""),
+               ("passes", "passes", ""), ("l2", "L2 chosen", ".0e"), ("top1", "top1 %", ".2f"),
+               ("mem_gb", "mem GB", ".2f")],
     "aug": [("impl", "impl", ""), ("where", "where", ""), ("threads", "threads", ""), ("crops", "crops", ""),
             ("images_per_s", "img/s", ".1f"), ("vs_lightly", "vs lightly", "x"), ("mem_gb", "mem GB", ".2f")],
     "loader": [("impl", "impl", ""), ("where", "where", ""), ("threads", "threads", ""), ("image", "files", ""),
@@ -314,7 +338,8 @@ def format_table(family: str, rows: list) -> str:
     cols = COLUMNS[family]
     ok = [r for r in rows if r["status"] == "ok"]
     # drop columns no line of this family fills
-    cols = [c for c in cols if any(r.get(c[0]) is not None for r in ok) or c[0] in ("model", "impl", "backend")]
+    cols = [c for c in cols if any(r.get(c[0]) is not None for r in ok)
+            or c[0] in ("model", "impl", "backend", "protocol")]
     cells = [[h for _, h, _ in cols]]
     notes = []
     for r in rows:
@@ -348,6 +373,7 @@ TITLES = {"peak": "measured dense matmul rate (the ceiling for %peak) and device
           "torchrun": "the dino step in a one-process torchrun job and in this process",
           "inference": "inference, random weights: images/s",
           "knn": "weighted k-NN (T=0.07): seconds",
+          "linear": "the linear probe on cached features, each protocol's grid whole: seconds",
           "aug": "augmentation: images/s (1 image = all its crops); threads 1 = per CPU core",
           "loader": "loader side per CPU core on JPEG files: read, decode, per-image work, collate (images/s)"}
 
@@ -444,7 +470,7 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
     for family in ["peak", *families]:
         if family in done:  # every line of it measured by an earlier run (bench.resume)
             continue
-        fn = R.peak_family if family == "peak" else FAMILIES[family]
+        fn = peak_family if family == "peak" else FAMILIES[family]
         left_before = ctx.left
         try:
             fn(ctx)
@@ -469,7 +495,7 @@ def _bench(cfg, profile, device, p, families, models, explicit, out_dir) -> dict
 # names its model, strategy, impl, batch, backend; a lever's impl names the lever): a resumed
 # run may choose others.
 SELECTION = ("models", "strategies", "compile", "fused", "levers", "graphs", "reference", "largest_batch",
-             "knn.backends", "inference.models")
+             "knn.backends", "inference.models", "linear.protocols")
 
 
 def _measuring(settings: dict) -> str:
@@ -537,6 +563,12 @@ def run(cfg) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m resmlp.bench.bench [key=value ...]
-    from resmlp.core.config import load_config
-    sys.exit(run(load_config("bench", DEFAULT_MODEL, sys.argv[1:])))
+# Not a command of the package (core/cli.py): a tool for measuring this project, which
+# borrows the command line's config (its own YAML), checks and one-line errors.
+COMMAND = cli.Command("bench.bench:run", "GPU/CPU throughput benchmarks", "model", writes="bench.bench:results_dir",
+                      ignores=cli.NO_WEIGHTS, method=str(BENCH_YAML))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench [model] [key=value ...]` (run.sh's `bench`)."""
+    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)], commands={"bench": COMMAND})

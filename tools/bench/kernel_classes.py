@@ -1,4 +1,4 @@
-"""A profile's kernels by class, each class against its floor (bench/profile.py).
+"""A profile's kernels by class, each class against its floor (profile.py).
 
 Every kernel of a profiled call is kept and put in one class by its name:
 

@@ -1,0 +1,5 @@
+import sys
+
+from bench.bench import main
+
+sys.exit(main())
