@@ -207,9 +207,10 @@ def test_a_rehearsal_of_a_gpu_window_loses_nothing_and_measures_nothing_twice(tm
     assert (st3["tests"]["runs"], st3["preset"]["attempt"], st3["profile_preset"]["runs"]) == (1, 2, 1)
 
     # no bench line measured twice: every line printed as measured is one row of the last bench.json
+    # (a line that failed, which a later call measures again, is no measurement)
     bench3 = json.loads((reports[2] / "bench.json").read_text())
     keys = [r["key"] for r in bench3["rows"]]
-    measured_lines = [line for line in every if line.startswith("[bench] ")
+    measured_lines = [line for line in every if line.startswith("[bench] ") and not re.search(r": ERROR ", line)
                       and not re.search(r"\(run \d+\)$", line) and "before this line" not in line]
     assert len(keys) == len(set(keys)) == len(measured_lines) and bench3["left"] == 0
     benches = [s.name for s in plan(load_campaign([*TINY, f"out={out}"]), out)[1] if isinstance(s, BenchStage)]
@@ -1114,6 +1115,17 @@ def test_bench_lines_are_kept_across_stages_and_a_family_that_raised_is_not_done
     # lines this run does not choose stay in bench.json
     fourth = run("bench.rows=[knn]", "bench.tiny.knn.backends=[torch-raw]")
     assert {r.get("backend") for r in fourth["rows"] if r["row"] == "knn"} == {"torch", "torch-raw"}
+    # a line that failed is no figure: the next run that chooses it measures it again
+    monkeypatch.setitem(B.FAMILIES, "knn", lambda ctx: ctx.attempt(
+        "knn", {"backend": "torch-raw-bf16", "n_train": 500, "dim": 16, "k": 20}, lambda: 1 / 0))
+    fifth = run("bench.rows=[knn]", "bench.tiny.knn.backends=[torch-raw-bf16]")
+    assert [r["status"] for r in fifth["rows"] if r.get("backend") == "torch-raw-bf16"] == ["error"]
+    monkeypatch.setitem(B.FAMILIES, "knn", real)
+    sixth = run("bench.rows=[knn]", "bench.tiny.knn.backends=[torch-raw-bf16]")
+    again = [r for r in sixth["rows"] if r.get("backend") == "torch-raw-bf16"]
+    assert [(r["status"], r["run"]) for r in again] == [("ok", 6)]
+    assert {(r["backend"], r["run"]) for r in sixth["rows"] if r["row"] == "knn"} == {("torch", 1), ("torch-raw", 2),
+                                                                                        ("torch-raw-bf16", 6)}
     # a setting that changes how a line is measured is refused
     with pytest.raises(UserError, match="other settings"):
         run("bench.rows=[knn]", "bench.tiny.knn.k=5")

@@ -515,7 +515,9 @@ def resume(cfg, ctx: Context, path: Path, profile: str, families: list, models: 
     """bench.resume=true: the lines an earlier run measured with the same profile and
     measuring settings are kept (ctx.previous, by line key; whole families at once when it
     chose the same lines) and only the rest are measured; lines this run does not choose
-    stay in bench.json. Returns the families already done."""
+    stay in bench.json. A line that failed (status error) is measured again when this run
+    chooses its family: a failure a window met (a process killed under it, a device fault)
+    is not a figure to keep. Returns the families already done."""
     if not cfg.bench.resume or not path.exists():
         return []
     try:
@@ -532,8 +534,13 @@ def resume(cfg, ctx: Context, path: Path, profile: str, families: list, models: 
     same_lines = (old.get("rows_requested") == families and old.get("models") == models
                   and json.dumps(old.get("settings"), sort_keys=True, default=str)
                   == json.dumps(to_dict(ctx.p), sort_keys=True, default=str))
-    done = [f for f in old.get("families_done", []) if f in ("peak", *families)] if same_lines else []
-    for row in old.get("rows", []):
+    rows = old.get("rows", [])
+    retry = {r["row"] for r in rows if r.get("status") == "error" and r["row"] in ("peak", *families)}
+    done = [f for f in old.get("families_done", []) if f in ("peak", *families) and f not in retry] \
+        if same_lines else []
+    for row in rows:
+        if row.get("status") == "error" and row["row"] in retry:
+            continue
         if row["row"] in done:
             ctx.results.append(row)
         elif "key" in row and not row.get("left"):
