@@ -1244,6 +1244,29 @@ def test_the_report_folder_keeps_to_the_limits(tmp_path):
     assert MAX_BYTES < 16 * 2**20 and len(REPORT_FILES) == 7
 
 
+def test_a_report_cut_by_a_kill_never_holds_a_summary_newer_than_its_files(tmp_path, monkeypatch):
+    """The kill of a call can land inside its report's writing (as the rehearsal's call 1
+    met it): the summary is written last, so a cut report is an older whole, not a summary
+    naming a preset log the folder lacks."""
+    log = tmp_path / "preset_log.jsonl"
+    log.write_text('{"epoch": 0, "knn_top1": 10.0}\n')
+    stage = types.SimpleNamespace(report_files=lambda: {"preset_log.jsonl": log})
+    files = RE.report_files(tmp_path, {"stages": ["preset"]}, [stage])
+    assert list(files)[-1] == "summary.json"
+    folder = tmp_path / "report"
+    real, written = Path.replace, []
+
+    def killed_after_one(self, target):
+        if written:
+            raise KeyboardInterrupt  # stands for the SIGKILL
+        written.append(Path(target).name)
+        return real(self, target)
+    monkeypatch.setattr(Path, "replace", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        write_report(folder, files)
+    assert written == ["preset_log.jsonl"] and not (folder / "summary.json").exists()
+
+
 def test_largest_batch_doubles_until_out_of_memory(monkeypatch):
     cfg = bench_config(["bench.profile=tiny", "bench.tiny.max_batch=16"])
     ctx = Context(torch.device("cpu"), "tiny", cfg.bench.tiny, ["resmlp_s12"], False)

@@ -22,10 +22,13 @@ REPORT_FILES = ("summary.json", "campaign.log", "bench.json", "preset_results.js
 
 
 def report_files(campaign_dir: Path, summary: dict, stages: list[Stage]) -> dict:
-    """The report folder's files: {name: a Path to copy, bytes, or a dict}."""
-    files = {"summary.json": summary, "campaign.log": campaign_dir / LOG}
+    """The report folder's files: {name: a Path to copy, bytes, or a dict}, in the order
+    write_report writes them: summary.json last, so that a report cut by a kill never holds
+    a summary whose figures come from a stage file it lacks (the next call restores from both)."""
+    files = {}
     for s in stages:
         files.update(s.report_files())
+    files.update({"campaign.log": campaign_dir / LOG, "summary.json": summary})
     assert set(files) <= set(REPORT_FILES)
     return files
 
