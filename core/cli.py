@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import importlib
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -192,7 +191,8 @@ def check_writes(name: str, cmd: Command, cfg, commands: dict = COMMANDS) -> Non
     folder of something else, not inside data.root, a path the file system takes) and can
     be written, before the command does any work (one process tries: under torchrun the
     others would race its clean-up). An explicit feature cache stays out of the data too."""
-    if not cmd.writes or int(os.environ.get("RANK", "0")) != 0:
+    from resmlp.core.dist import launch_rank
+    if not cmd.writes or launch_rank() != 0:
         return
     module, func = cmd.writes.split(":")
     directory = getattr(importlib.import_module(module), func)(cfg)

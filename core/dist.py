@@ -38,6 +38,13 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def launch_rank() -> int:
+    """This process's rank before setup(): the group's where one is already joined (a caller
+    that made it itself sets no RANK: a test's or a notebook's spawned processes), else
+    torchrun's RANK."""
+    return rank() if is_dist() else int(os.environ.get("RANK", "0"))
+
+
 def share(batch_size: int) -> int:
     """This process's part of a global batch (at least 1): every `batch_size` key is global."""
     return max(1, int(batch_size) // world_size())

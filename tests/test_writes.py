@@ -58,6 +58,23 @@ def test_out_on_a_folder_of_something_else_is_refused_unless_out_ok(tiny_run, tm
     assert "out_ok='maybe' should be true/false" in one_line_error(capsys)
 
 
+def test_only_rank_0_checks_out_also_in_a_group_joined_without_torchrun(tmp_path, monkeypatch):
+    """A caller that joins the process group itself (spawned processes, a notebook) sets no
+    RANK: the other ranks still leave out= alone, or their write probe would be a foreign
+    file to rank 0's check (the race that failed test_embed's two-process run)."""
+    import torch.distributed as tdist
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "get_rank", lambda group=None: 1)
+    ran = []
+    assert main(["dino", "resmlp_s12", f"out={mine}"], run=ran.append) == 0 and len(ran) == 1
+    monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
+    assert main(["dino", "resmlp_s12", f"out={mine}"], run=ran.append) == 2 and len(ran) == 1
+
+
 def test_a_new_an_empty_or_a_folder_of_ours_is_taken(tiny_run, tmp_path, capsys):
     ours = {"new": tmp_path / "new", "empty": tmp_path / "empty"}
     ours["empty"].mkdir()
