@@ -3,6 +3,7 @@ the two DINO steps it compares compute the same thing (so the speed ratio compar
 like); the k-NN baseline in its own process; the profile and the cost scripts."""
 import importlib.util
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,24 @@ def test_a_failing_line_is_reported_and_the_rest_go_on():
     meta = {"cpu": "cpu", "cpu_cores": 2, "torch_threads": 1, "load_average": [0.0], "torch": "x", "date": "d"}
     text = render(ctx.results, [], meta, "tiny")
     assert "ERROR: ZeroDivisionError" in text and "SKIPPED: not installed" in text and "0.500" in text
+
+
+def test_a_stop_signal_inside_a_line_leaves_it_for_the_next_run_not_failed():
+    """The campaign's SIGTERM at a window's end reaches the bench inside a k-NN line, whose
+    search ends between two batches (preempt.stop_between_batches): that line was not
+    measured, and bench.resume measures it next, as one the signal came before."""
+    from resmlp.core import preempt
+    from resmlp.eval.knn import knn_classify
+    ctx = Context(torch.device("cpu"), "tiny", tiny_profile(), ["resmlp_s12"], False)
+    train, labels = torch.randn(64, 8), torch.randint(3, (64,))
+
+    def signalled_line():
+        signal.raise_signal(signal.SIGTERM)
+        return {"seconds": knn_classify(train, labels, torch.randn(4, 8), 3, k=5, temperature=0.07).sum().item()}
+    with preempt.watch():
+        row = ctx.attempt("knn", {"backend": "torch"}, signalled_line)
+    assert (row["status"], row["left"], ctx.left) == ("skipped", True, 1), row
+    assert row["reason"] == "stopped by SIGTERM during this line"
 
 
 def test_each_line_reports_its_own_peak_memory(monkeypatch):

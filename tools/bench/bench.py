@@ -88,8 +88,11 @@ class Context:
                 raise Left("bench.time_limit_s reached before this line")
             reset_memory(self.device)  # each line's mem_gb is its own peak, not an earlier line's
             row = {"row": family, **ident, "status": "ok", **(fn() or {})}
-        except Left as e:
-            row = {"row": family, **ident, "status": "skipped", "reason": str(e), "left": True}
+        except (Left, preempt.StopInEvaluation) as e:
+            # a stop signal met inside the line (the evaluators end between batches) leaves it
+            # as one met before it does: not measured, for the next run; no failure
+            reason = str(e) if isinstance(e, Left) else f"stopped by {e} during this line"
+            row = {"row": family, **ident, "status": "skipped", "reason": reason, "left": True}
             self.left += 1
         except Skip as e:
             row = {"row": family, **ident, "status": "skipped", "reason": str(e)}
@@ -556,7 +559,8 @@ def resume(cfg, ctx: Context, path: Path, profile: str, families: list, models: 
 def run(cfg) -> int:
     """Exit 0: every line measured; 1: some failed; 75 (PREEMPTED_EXIT): lines were left for
     bench.time_limit_s or a stop signal (SIGTERM / SIGUSR1 end the run after the current
-    line), which the same command with bench.resume=true measures next."""
+    line, or within it where an evaluator stops between batches, leaving it), which the same
+    command with bench.resume=true measures next."""
     with preempt.watch():
         report = bench(cfg)
     if report["left"]:
