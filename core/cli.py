@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from resmlp.core import preempt
+from resmlp.core import dist, preempt
 from resmlp.core.checkpoint import TRUST_KEY, check_writable, trusting
 from resmlp.core.errors import PREEMPTED_EXIT, Finished, Preempted, RunFailed, UserError, out_of_memory
 from resmlp.core.outdir import check_cache_dir, check_out_dir, shown
@@ -191,8 +191,7 @@ def check_writes(name: str, cmd: Command, cfg, commands: dict = COMMANDS) -> Non
     folder of something else, not inside data.root, a path the file system takes) and can
     be written, before the command does any work (one process tries: under torchrun the
     others would race its clean-up). An explicit feature cache stays out of the data too."""
-    from resmlp.core.dist import launch_rank
-    if not cmd.writes or launch_rank() != 0:
+    if not cmd.writes or dist.launch_rank() != 0:
         return
     module, func = cmd.writes.split(":")
     directory = getattr(importlib.import_module(module), func)(cfg)
